@@ -1,0 +1,111 @@
+"""A slot-based KV cache for batched speculative decoding with O(1) rollback.
+
+Why not ``DynamicCache``: speculative decoding appends ``k + 1`` positions per round and
+then throws away the rejected suffix, per sequence, with sequences of different lengths
+in one batch. Like gpt-fast's static cache, each sequence here owns a *slot* (a row of a
+preallocated ``[slots, kv_heads, capacity, head_dim]`` tensor per layer) and a length;
+rollback is a length change, and new positions are written at each row's own offset.
+Attention reads only up to each row's length through a 4D mask built by the runner.
+
+Active sequences are kept in slots ``0..n-1`` (freeing moves the last slot into the
+hole), so a batch of all active sequences reads the cache as a view, without copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass
+class BatchLayout:
+    """Where the current forward pass reads and writes, shared by all layers."""
+
+    slots: torch.Tensor  # [batch] int64 slot of each row
+    write_positions: torch.Tensor  # [batch, n] int64 cache positions of the new tokens
+    kv_len: int  # keys/values returned to attention: positions [0, kv_len)
+    contiguous_from: int | None  # first slot if slots == range(first, first + batch)
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One decoder layer's keys/values: ``[slots, kv_heads, capacity, head_dim]``."""
+
+    is_sliding = False
+
+    def __init__(self, owner: SlotKVCache):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, heads, _, dim = key_states.shape
+        shape = (self.owner.num_slots, heads, self.owner.capacity, dim)
+        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.is_initialized = True
+
+    def _fit(self) -> None:
+        """Grow the tensors when the owner's slot count or capacity grew."""
+        slots, cap = self.owner.num_slots, self.owner.capacity
+        if self.keys.shape[0] >= slots and self.keys.shape[2] >= cap:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((slots, old.shape[1], cap, old.shape[3]))
+            new[: old.shape[0], :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states, value_states: [batch, kv_heads, n, head_dim]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._fit()
+        layout = self.owner.layout
+        rows = layout.slots[:, None]  # [batch, 1] broadcasts against [batch, n]
+        pos = layout.write_positions
+        # Advanced indices around a slice put the indexed dims first: [batch, n, heads, dim].
+        self.keys[rows, :, pos] = key_states.transpose(1, 2)
+        self.values[rows, :, pos] = value_states.transpose(1, 2)
+        return self._read(self.keys, layout), self._read(self.values, layout)
+
+    @staticmethod
+    def _read(t: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        if layout.contiguous_from is not None:
+            first = layout.contiguous_from
+            return t[first : first + layout.slots.shape[0], :, : layout.kv_len]
+        return t[layout.slots, :, : layout.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.layout.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.layout.kv_len if self.owner.layout is not None else 0
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        if self.is_initialized:
+            self._fit()  # the slot may have been added after the last forward
+            self.keys[dst] = self.keys[src]
+            self.values[dst] = self.values[src]
+
+
+class SlotKVCache(Cache):
+    """The transformers ``Cache`` handed to the model; the runner sets :attr:`layout`."""
+
+    def __init__(self, num_layers: int, num_slots: int, capacity: int):
+        self.num_slots = num_slots
+        self.capacity = capacity
+        self.layout: BatchLayout | None = None
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+    def ensure(self, num_slots: int, capacity: int) -> None:
+        """Grow (never shrink) the slot count and per-slot capacity; layers follow lazily."""
+        self.num_slots = max(self.num_slots, num_slots)
+        self.capacity = max(self.capacity, capacity)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        for layer in self.layers:
+            layer.copy_slot(src, dst)

@@ -1,0 +1,137 @@
+"""Proposers: where draft tokens come from.
+
+A two-method interface, as in transformers' assisted generation: :meth:`Proposer.propose`
+returns up to ``k`` draft tokens per sequence together with their proposal distribution,
+and :meth:`Proposer.observe` tells the proposer how many were accepted. Proposals are
+batched over sequences so one draft forward pass serves the whole batch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.rejection import ProposalKind
+from specdec.runner import ModelRunner
+from specdec.sampling import probs_for, sample
+from specdec.sequence import SequenceState
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for a batch; rows shorter than ``k`` are padded with 0."""
+
+    draft_token_ids: torch.Tensor  # [batch, k] int64
+    num_draft_tokens: torch.Tensor  # [batch] int64
+    draft_probs: torch.Tensor | None  # [batch, k, vocab] q, or None for point mass/uniform
+    kind: ProposalKind
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, seqs: Sequence[SequenceState], k: int) -> Proposal:
+        """Propose up to ``k`` tokens continuing each sequence's committed tokens."""
+
+    def observe(self, seqs: Sequence[SequenceState], num_accepted: Sequence[int]) -> None:  # noqa: B027
+        """Learn from verification (optional: adaptive proposers override it)."""
+
+    def free(self, seq_id: Hashable) -> None:  # noqa: B027
+        """Release per-sequence state when a request ends."""
+
+
+class DraftModelProposer(Proposer):
+    """Samples ``k`` tokens autoregressively from a small draft model.
+
+    The draft's KV cache is re-synchronised at every call: the cached tokens are compared
+    with the committed ones and rolled back to their common prefix, so rejected drafts
+    (and anything a failed round left behind) never leak into the next proposal.
+    """
+
+    kind: ProposalKind = "probs"
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
+
+    def free(self, seq_id: Hashable) -> None:
+        if seq_id in self._cached:
+            del self._cached[seq_id]
+            self.runner.free(seq_id)
+
+    def _sync(self, seq: SequenceState) -> list[int]:
+        """Roll the draft cache back to the committed prefix; return the tokens to feed."""
+        tokens = seq.token_ids
+        cached = self._cached.get(seq.seq_id)
+        if cached is None:
+            self.runner.add(seq.seq_id)
+            cached = self._cached[seq.seq_id] = []
+        common = 0
+        # Keep at least one token to feed: its logits give the first draft distribution.
+        limit = min(len(cached), len(tokens) - 1)
+        while common < limit and cached[common] == tokens[common]:
+            common += 1
+        del cached[common:]
+        self.runner.rollback(seq.seq_id, common)
+        return tokens[common:]
+
+    def propose(self, seqs: Sequence[SequenceState], k: int) -> Proposal:
+        batch = len(seqs)
+        ids = [s.seq_id for s in seqs]
+        params = [s.params for s in seqs]
+        gens = [s.draft_generator for s in seqs]
+        vocab = self.runner.vocab_size
+        draft = torch.zeros(batch, k, dtype=torch.long)
+        probs = torch.zeros(batch, k, vocab)
+        feed = [self._sync(s) for s in seqs]
+        for i in range(k):
+            logits = self.runner.forward(ids, feed)  # per row: [len(feed[row]), vocab]
+            q = probs_for(params, torch.stack([lg[-1] for lg in logits]))  # [batch, vocab]
+            tokens = sample(q, gens)  # [batch]
+            draft[:, i] = tokens
+            probs[:, i] = q
+            for row, sid in enumerate(ids):
+                self._cached[sid].extend(feed[row])
+            feed = [[int(t)] for t in tokens]
+        return Proposal(draft, torch.full((batch,), k, dtype=torch.long), probs, self.kind)
+
+
+def ngram_propose(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
+    """Prompt-lookup proposal: continue the latest earlier match of the last n tokens.
+
+    Tries n = n_max down to n_min; for the first n whose suffix occurs earlier in
+    ``token_ids``, returns up to ``k`` tokens that followed its most recent earlier
+    occurrence. Returns [] when nothing matches.
+    """
+    length = len(token_ids)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = list(token_ids[length - n :])
+        # Latest earlier occurrence first (it may overlap the suffix, not be it).
+        for start in range(length - n - 1, -1, -1):
+            if list(token_ids[start : start + n]) == suffix:
+                follow = token_ids[start + n : start + n + k]
+                if follow:
+                    return list(follow)
+    return []
+
+
+class NgramProposer(Proposer):
+    """Deterministic prompt-lookup drafts, verified as a point mass ``q = δ_x``."""
+
+    kind: ProposalKind = "point_mass"
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, seqs: Sequence[SequenceState], k: int) -> Proposal:
+        draft = torch.zeros(len(seqs), k, dtype=torch.long)
+        counts = torch.zeros(len(seqs), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            tokens = ngram_propose(seq.token_ids, k, self.n_max, self.n_min)
+            draft[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            counts[row] = len(tokens)
+        return Proposal(draft, counts, None, self.kind)

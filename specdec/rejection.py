@@ -1,0 +1,142 @@
+"""The rejection sampler: a pure, batched function over tensors.
+
+Implements the verification step of speculative sampling (Leviathan et al. 2023,
+https://arxiv.org/abs/2211.17192; Chen et al. 2023, https://arxiv.org/abs/2302.01318), in
+the spirit of vLLM's ``vllm/v1/sample/rejection_sampler.py``:
+
+* greedy rows accept draft token ``x_i`` while it equals ``argmax p_i``;
+* stochastic rows accept ``x_i ~ q_i`` iff ``u_i < p_i(x_i) / q_i(x_i)`` with ``u_i ~ U[0, 1)``;
+* at the first rejection the *recovered* token is sampled from ``norm(max(0, p_i - q_i))``;
+* if every draft token is accepted, the *bonus* token is sampled from ``p_{k+1}``.
+
+The proposal ``q`` can be a full distribution, a point mass at each proposed token (any
+deterministic proposer, e.g. n-gram lookup: ``q = δ_x``), or uniform over the vocabulary.
+All three are exact: the output distribution equals sampling ``p`` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+PAD_TOKEN_ID = -1
+ProposalKind = Literal["probs", "point_mass", "uniform"]
+
+
+@dataclass
+class RejectionOutput:
+    """Result of one verification round for a batch of sequences."""
+
+    output_token_ids: torch.Tensor  # [batch, k + 1] int64: accepted, then recovered/bonus; -1 pad
+    num_accepted: torch.Tensor  # [batch] int64: accepted draft tokens (0..num_draft_tokens)
+    bonus: torch.Tensor  # [batch] bool: all drafts accepted, last token sampled from p_{k+1}
+
+    def tokens(self, row: int) -> list[int]:
+        """The tokens that row ``row`` commits this round (accepted + recovered/bonus)."""
+        n = int(self.num_accepted[row]) + 1
+        return self.output_token_ids[row, :n].tolist()
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    is_greedy: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    proposal: ProposalKind = "probs",
+) -> RejectionOutput:
+    """Verify draft tokens against the target distribution.
+
+    draft_token_ids:  [batch, k] int64; entries at positions >= num_draft_tokens are ignored
+    num_draft_tokens: [batch] int64 in [0, k]; rows may draft different amounts (0 = plain decode)
+    target_probs:     [batch, k + 1, vocab] p after the sampling transform (one-hot if greedy)
+    draft_probs:      [batch, k, vocab] q after the same transform; required iff proposal="probs"
+    is_greedy:        [batch] bool; greedy rows use argmax matching and draw no random numbers
+    generators:       batch entries; per-request generators (None: the global RNG)
+    proposal:         "probs" (full q), "point_mass" (q = δ_x), "uniform" (q = 1/vocab)
+
+    Each stochastic row draws exactly ``k`` uniforms and then one categorical sample from
+    its own generator, so a seeded request is reproducible whatever else is in the batch.
+    """
+    batch, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    if target_probs.shape[:2] != (batch, k + 1):
+        raise ValueError(
+            f"target_probs must be [batch, k + 1, vocab], got {tuple(target_probs.shape)}"
+        )
+    if proposal == "probs":
+        if draft_probs is None or draft_probs.shape != (batch, k, vocab):
+            raise ValueError("proposal='probs' needs draft_probs of shape [batch, k, vocab]")
+    elif proposal not in ("point_mass", "uniform"):
+        raise ValueError(f"unknown proposal kind {proposal!r}")
+    if len(generators) != batch:
+        raise ValueError(f"need one generator (or None) per row: {len(generators)} != {batch}")
+
+    device = target_probs.device
+    num_draft_tokens = num_draft_tokens.to(device)
+    is_greedy = is_greedy.to(device)
+    positions = torch.arange(k, device=device)
+    valid = positions[None, :] < num_draft_tokens[:, None]  # [batch, k]
+    safe_draft = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
+
+    # p_i(x_i) and q_i(x_i): [batch, k]
+    p_x = target_probs[:, :k].gather(-1, safe_draft.unsqueeze(-1)).squeeze(-1)
+    if proposal == "probs":
+        q_x = draft_probs.gather(-1, safe_draft.unsqueeze(-1)).squeeze(-1)
+    elif proposal == "point_mass":
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = torch.full_like(p_x, 1.0 / vocab)
+
+    # u ~ U[0, 1): accept iff u < p/q, i.e. with probability min(1, p/q).
+    # Unseeded rows share one draw from the global RNG; seeded rows use their own.
+    seeded = [r for r, g in enumerate(generators) if g is not None and not bool(is_greedy[r])]
+    unseeded = ~is_greedy.clone()
+    unseeded[seeded] = False
+    uniforms = torch.zeros(batch, k, device=device)
+    if k > 0:
+        uniforms[unseeded] = torch.rand(int(unseeded.sum()), k, device=device)
+        for row in seeded:
+            uniforms[row] = torch.rand(k, generator=generators[row], device=device)
+    stochastic_accept = uniforms * q_x < p_x
+    greedy_accept = safe_draft == target_probs[:, :k].argmax(dim=-1)
+    accept = torch.where(is_greedy[:, None], greedy_accept, stochastic_accept) & valid
+    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    bonus = num_accepted == num_draft_tokens
+
+    # Distribution of the last token: residual at the first rejection, p_{n+1} after all.
+    rows = torch.arange(batch, device=device)
+    p_at = target_probs[rows, num_accepted]  # [batch, vocab]
+    if k > 0:
+        q_pos = num_accepted.clamp(max=k - 1)
+        if proposal == "probs":
+            q_at = draft_probs[rows, q_pos]
+        elif proposal == "point_mass":
+            q_at = torch.zeros_like(p_at).scatter(-1, safe_draft[rows, q_pos].unsqueeze(-1), 1.0)
+        else:
+            q_at = torch.full_like(p_at, 1.0 / vocab)
+        residual = (p_at - q_at).clamp(min=0)
+        mass = residual.sum(dim=-1, keepdim=True)
+        # A rejection with zero residual mass only happens through rounding (p ~= q);
+        # falling back to p there is exact up to that rounding.
+        residual = torch.where(mass > 1e-12, residual / mass.clamp(min=1e-12), p_at)
+        last_dist = torch.where(bonus[:, None], p_at, residual)
+    else:
+        last_dist = p_at
+
+    # Greedy rows: argmax of p itself (the target's greedy token, whatever q was).
+    last = p_at.argmax(dim=-1)
+    if bool(unseeded.any()):
+        last[unseeded] = torch.multinomial(last_dist[unseeded], 1)[:, 0]
+    for row in seeded:
+        last[row] = torch.multinomial(last_dist[row], 1, generator=generators[row])[0]
+
+    out = torch.full((batch, k + 1), PAD_TOKEN_ID, dtype=torch.long, device=device)
+    keep = positions[None, :] < num_accepted[:, None]
+    out[:, :k] = torch.where(keep, draft_token_ids, out[:, :k])
+    out[rows, num_accepted] = last
+    return RejectionOutput(output_token_ids=out, num_accepted=num_accepted, bonus=bonus)

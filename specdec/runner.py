@@ -1,0 +1,181 @@
+"""Model runner: a causal LM plus a slot KV cache, batched over ragged sequences.
+
+One runner serves one model (the target or a draft). It knows nothing about
+speculation: callers append tokens to sequences (:meth:`ModelRunner.forward`), get the
+logits of every appended position back, and roll sequences back to a shorter length
+(:meth:`ModelRunner.rollback`) after verification rejects a suffix. Prefill, one-token
+decode and multi-token verify are the same operation with different token counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specdec.kv_cache import BatchLayout, SlotKVCache
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Owns a model, its KV cache, and the sequences whose KV lives in that cache.
+
+    ``model`` is any Hugging Face hub id or local directory loadable with
+    ``AutoModelForCausalLM.from_pretrained``; ``trust_remote_code`` stays off unless the
+    caller turns it on. The slot cache assumes full (non-sliding-window) attention.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        trust_remote_code: bool = False,
+        initial_capacity: int = 256,
+    ):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model,
+            dtype=_DTYPES[dtype],
+            trust_remote_code=trust_remote_code,
+            attn_implementation="sdpa",
+        ).to(self.device)
+        self.model.eval()
+        limit = getattr(self.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.cache = SlotKVCache(
+            num_layers=self.config.num_hidden_layers,
+            num_slots=1,
+            capacity=min(initial_capacity, self.max_model_len + 16),
+        )
+        self._slot: dict[Hashable, int] = {}  # seq_id -> slot
+        self._length: list[int] = []  # slot -> cached tokens
+
+    # ----- sequence bookkeeping -------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._slot)
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._slot
+
+    def add(self, seq_id: Hashable) -> None:
+        """Register a new, empty sequence."""
+        if seq_id in self._slot:
+            raise KeyError(f"sequence {seq_id!r} already exists")
+        if len(self._slot) >= self.max_num_seqs:
+            raise RuntimeError(f"runner is full: max_num_seqs={self.max_num_seqs}")
+        self._slot[seq_id] = len(self._length)
+        self._length.append(0)
+        self.cache.ensure(len(self._length), self.cache.capacity)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Forget a sequence; the last slot moves into its place to keep slots dense."""
+        slot = self._slot.pop(seq_id)
+        last = len(self._length) - 1
+        if slot != last:
+            moved = next(s for s, sl in self._slot.items() if sl == last)
+            self.cache.copy_slot(last, slot)
+            self._slot[moved] = slot
+            self._length[slot] = self._length[last]
+        self._length.pop()
+
+    def length(self, seq_id: Hashable) -> int:
+        """Number of tokens whose keys/values are cached for ``seq_id``."""
+        return self._length[self._slot[seq_id]]
+
+    def rollback(self, seq_id: Hashable, length: int) -> None:
+        """Keep only the first ``length`` cached positions (a pointer move, no copy)."""
+        slot = self._slot[seq_id]
+        if not 0 <= length <= self._length[slot]:
+            raise ValueError(f"cannot roll {seq_id!r} back to {length} (has {self._length[slot]})")
+        self._length[slot] = length
+
+    # ----- forward --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """Append ``token_ids[i]`` to sequence ``seq_ids[i]`` and return their logits.
+
+        Returns one float32 tensor ``[len(token_ids[i]), vocab]`` per sequence: row ``j``
+        is the next-token logits after the ``j``-th appended token. All sequences run in
+        one padded forward pass; padding is masked out and never becomes part of a
+        sequence.
+        """
+        if len(seq_ids) != len(token_ids):
+            raise ValueError("seq_ids and token_ids differ in length")
+        if not seq_ids:
+            return []
+        counts = [len(t) for t in token_ids]
+        if min(counts) < 1:
+            raise ValueError("every sequence must append at least one token")
+        # Run rows in slot order so that a batch of consecutive slots reads a view.
+        order = sorted(range(len(seq_ids)), key=lambda i: self._slot[seq_ids[i]])
+        slots = [self._slot[seq_ids[i]] for i in order]
+        starts = [self._length[s] for s in slots]
+        ns = [counts[i] for i in order]
+        n = max(ns)
+        ends = [st + c for st, c in zip(starts, ns, strict=True)]
+        if max(ends) > self.max_model_len:
+            raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
+        kv_len = max(starts) + n
+        self.cache.ensure(len(self._length), _round_up(kv_len, 64))
+
+        dev = self.device
+        input_ids = torch.zeros(len(order), n, dtype=torch.long)
+        for row, i in enumerate(order):
+            input_ids[row, : ns[row]] = torch.as_tensor(token_ids[i], dtype=torch.long)
+        start_t = torch.tensor(starts, dtype=torch.long)
+        position_ids = start_t[:, None] + torch.arange(n)[None, :]  # [batch, n]
+        # Query j of row b sees cache positions <= start_b + j: its own prefix, nothing of
+        # other rows' padding, nothing of its own padded queries.
+        mask = torch.arange(kv_len)[None, None, :] <= position_ids[:, :, None]  # [b, n, kv]
+        first = slots[0]
+        contiguous = slots == list(range(first, first + len(slots)))
+        self.cache.layout = BatchLayout(
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            write_positions=position_ids.to(dev),
+            kv_len=kv_len,
+            contiguous_from=first if contiguous else None,
+        )
+        try:
+            out = self.model(
+                input_ids=input_ids.to(dev),
+                position_ids=position_ids.to(dev),
+                attention_mask=mask[:, None].to(dev),  # [batch, 1, n, kv_len]
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.cache.layout = None
+        logits = out.logits.float()  # [batch, n, vocab]
+        result: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
+        for row, i in enumerate(order):
+            self._length[slots[row]] = ends[row]
+            result[i] = logits[row, : ns[row]]
+        return result
+
+    def prefill(
+        self, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Add new sequences with their prompts; returns last-position logits ``[batch, vocab]``."""
+        for sid in seq_ids:
+            self.add(sid)
+        return torch.stack([lg[-1] for lg in self.forward(seq_ids, prompts)])
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m

@@ -1,0 +1,168 @@
+"""Sampling parameters and the logits -> probabilities transform that is verified.
+
+Speculative decoding is exact only if the target distribution ``p`` and the draft
+distribution ``q`` go through the *same* transform (temperature, top-k, top-p) before
+the rejection sampler compares them (DESIGN.md, "Formulas"). Everything that samples in
+SpecServe calls :func:`logits_to_probs` so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and a
+# distribution that sharp is a point mass at the argmax for every practical purpose.
+GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated on construction.
+
+    Mirrors the OpenAI / vLLM fields so the HTTP layer can pass them through unchanged.
+    ``temperature == 0`` means greedy decoding; ``top_k <= 0`` and ``top_p == 1`` disable
+    those filters. ``seed`` makes a request reproducible: every random draw of the request
+    (draft sampling, acceptance tests, recovered and bonus tokens) comes from generators
+    seeded from it.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a single string or any sequence for `stop`, as the OpenAI API does.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        errors = []
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
+            errors.append(f"temperature must be a finite number, got {self.temperature!r}")
+        elif self.temperature < 0:
+            errors.append(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            errors.append(f"top_k must be an integer (-1 or 0 disables it), got {self.top_k!r}")
+        elif self.top_k < -1:
+            errors.append(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            errors.append(f"seed must be an integer or None, got {self.seed!r}")
+        if (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or self.max_tokens < 1
+        ):
+            errors.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            errors.append("stop must be a non-empty string or a list of non-empty strings")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    def make_generator(self, device: torch.device | str = "cpu", offset: int = 0):
+        """A generator for this request, or None (global RNG) when no seed was given.
+
+        ``offset`` separates independent streams of one request (e.g. the draft's
+        sampling and the verifier's acceptance tests) so that they do not share draws.
+        """
+        if self.seed is None:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed((self.seed * 1_000_003 + offset) % (2**63 - 1))
+        return gen
+
+
+def _as_column(values: Sequence[float] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=torch.float32, device=like.device)
+    # [batch] -> [batch, 1, ..., 1] so it broadcasts over positions and vocab.
+    return t.view(-1, *([1] * (like.dim() - 1)))
+
+
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: Sequence[float] | torch.Tensor,
+    top_k: Sequence[int] | torch.Tensor | None = None,
+    top_p: Sequence[float] | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Turn raw logits into the distribution that is sampled and verified.
+
+    logits:      [batch, ..., vocab] (any number of position dims)
+    temperature: [batch]; rows with temperature 0 become a one-hot at the argmax
+    top_k:       [batch] or None; <= 0 disables
+    top_p:       [batch] or None; 1.0 disables
+    returns:     [batch, ..., vocab] float32 probabilities
+
+    Order follows vLLM and HF: temperature, then top-k, then top-p (nucleus over the
+    temperature-scaled distribution). Ties at the k-th value are all kept, so the result
+    does not depend on sort stability.
+    """
+    logits = logits.float()
+    temp = _as_column(temperature, logits)
+    greedy = temp < GREEDY_EPS
+    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)
+
+    if top_k is not None:
+        k = torch.as_tensor(top_k, device=logits.device).view(-1, *([1] * (logits.dim() - 1)))
+        vocab = logits.shape[-1]
+        k_eff = torch.where(k <= 0, torch.full_like(k, vocab), k.clamp(max=vocab))
+        if bool((k_eff < vocab).any()):
+            sorted_desc = scaled.sort(dim=-1, descending=True).values
+            kth = sorted_desc.gather(-1, (k_eff - 1).expand(*scaled.shape[:-1], 1))
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+
+    probs = torch.softmax(scaled, dim=-1)
+
+    if top_p is not None:
+        p = _as_column(top_p, logits)
+        if bool((p < 1).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Mass strictly before each token; a token is kept while that mass is < top_p,
+            # so the smallest set whose mass reaches top_p survives (always >= 1 token).
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop_sorted = before >= p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, one_hot, probs)
+    return probs
+
+
+def probs_for(params: Sequence[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+    """:func:`logits_to_probs` with per-row settings taken from ``params`` ([batch])."""
+    return logits_to_probs(
+        logits,
+        [sp.temperature for sp in params],
+        [sp.top_k for sp in params],
+        [sp.top_p for sp in params],
+    )
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row; each row uses its own generator (None: global RNG).
+
+    probs: [batch, vocab] -> returns [batch] int64
+    """
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for i, gen in enumerate(generators):
+        out[i] = torch.multinomial(probs[i], 1, generator=gen)
+    return out

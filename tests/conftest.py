@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random Llama models saved to disk and loaded like hub models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 96
+
+
+def save_tiny_llama(path, *, seed: int, layers: int, hidden: int, vocab: int = VOCAB) -> str:
+    """A random Llama with *untied* embeddings (tied random models trivially agree)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Sharpen the output layer so greedy/T=1 choices are not near-uniform noise.
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("target"), seed=0, layers=2, hidden=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory, tiny_target) -> str:
+    """A draft that partly agrees with the target: the target's weights, perturbed."""
+    model = LlamaForCausalLM.from_pretrained(tiny_target)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.6)
+    path = tmp_path_factory.mktemp("draft")
+    model.save_pretrained(path)
+    return str(path)
