@@ -68,7 +68,11 @@ def test_seeded_sampling_is_reproducible(target, draft_proposer):
     b = generate_speculative(target, draft_proposer, PROMPTS[1], params, 3)
     assert a.token_ids == b.token_ids
     c = generate_speculative(
-        target, draft_proposer, PROMPTS[1], SamplingParams(temperature=1.0, seed=43, max_tokens=20), 3
+        target,
+        draft_proposer,
+        PROMPTS[1],
+        SamplingParams(temperature=1.0, seed=43, max_tokens=20),
+        3,
     )
     assert c.token_ids != a.token_ids
     ar1 = generate_autoregressive(target, PROMPTS[1], params)

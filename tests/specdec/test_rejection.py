@@ -104,7 +104,9 @@ def test_seeded_generators_reproduce_tokens():
 
     a, b = _random_round(gens), _random_round(gens)
     assert torch.equal(a.output_token_ids, b.output_token_ids)
-    outs = {tuple(_random_round(lambda: [None, None]).output_token_ids[0].tolist()) for _ in range(30)}
+    outs = {
+        tuple(_random_round(lambda: [None, None]).output_token_ids[0].tolist()) for _ in range(30)
+    }
     assert len(outs) > 1  # unseeded draws differ, so the seeded equality above means something
 
 
@@ -124,7 +126,9 @@ def markov(seed, scale=1.5):
 
 
 def transform(logits, sampling):
-    return logits_to_probs(logits[None], [sampling["temperature"]], [sampling["top_k"]], [sampling["top_p"]])[0]
+    return logits_to_probs(
+        logits[None], [sampling["temperature"]], [sampling["top_k"]], [sampling["top_p"]]
+    )[0]
 
 
 def speculative_rounds(p_table, q_table, proposal, start):
@@ -150,8 +154,13 @@ def speculative_rounds(p_table, q_table, proposal, start):
         contexts = torch.cat([last[:, None], drafts], 1)  # [rows, K + 1]
         p = p_table[contexts]  # [rows, K + 1, V]
         out = rejection_sample(
-            drafts, torch.full((rows,), K), p, qs if proposal == "probs" else None,
-            torch.zeros(rows, dtype=torch.bool), [None] * rows, proposal,
+            drafts,
+            torch.full((rows,), K),
+            p,
+            qs if proposal == "probs" else None,
+            torch.zeros(rows, dtype=torch.bool),
+            [None] * rows,
+            proposal,
         )
         # Append this round's tokens to rows that still need them (first two kept).
         produced = out.num_accepted + 1
@@ -228,7 +237,9 @@ def test_chi_square_detects_a_wrong_sampler():
     start = 2
     drafts = torch.multinomial(q_table[start].expand(N, V), 1)[:, 0]
     wrong = torch.where(
-        drafts == p_table[start].argmax(), drafts, torch.multinomial(p_table[start].expand(N, V), 1)[:, 0]
+        drafts == p_table[start].argmax(),
+        drafts,
+        torch.multinomial(p_table[start].expand(N, V), 1)[:, 0],
     )
     with pytest.raises(AssertionError):
         assert_matches(torch.bincount(wrong, minlength=V).float(), p_table[start] * N)

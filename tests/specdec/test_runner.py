@@ -26,11 +26,15 @@ def test_ragged_batched_forward_matches_full_pass(runner):
     try:
         # Prefill chunks of different lengths in one batch, then continue out of slot order.
         outs = runner.forward(list(SEQS), [v[:3] for v in SEQS.values()])
-        for (sid, toks), out in zip(SEQS.items(), outs, strict=True):
+        for toks, out in zip(SEQS.values(), outs, strict=True):
             torch.testing.assert_close(out, full_logits(runner, toks)[:3], atol=1e-5, rtol=1e-4)
         outs = runner.forward(["c", "a"], [SEQS["c"][3:], SEQS["a"][3:]])
-        torch.testing.assert_close(outs[0], full_logits(runner, SEQS["c"])[3:], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(outs[1], full_logits(runner, SEQS["a"])[3:], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            outs[0], full_logits(runner, SEQS["c"])[3:], atol=1e-5, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            outs[1], full_logits(runner, SEQS["a"])[3:], atol=1e-5, rtol=1e-4
+        )
         assert runner.length("a") == 7 and runner.length("b") == 3 and runner.length("c") == 9
     finally:
         for sid in SEQS:
@@ -57,8 +61,12 @@ def test_free_compacts_slots_and_keeps_other_caches(runner):
     runner.forward(list(SEQS), list(SEQS.values()))
     runner.free("a")  # 'c' moves from the last slot into 'a's slot
     outs = runner.forward(["c", "b"], [[1], [2]])
-    torch.testing.assert_close(outs[0][-1], full_logits(runner, [*SEQS["c"], 1])[-1], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(outs[1][-1], full_logits(runner, [*SEQS["b"], 2])[-1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        outs[0][-1], full_logits(runner, [*SEQS["c"], 1])[-1], atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        outs[1][-1], full_logits(runner, [*SEQS["b"], 2])[-1], atol=1e-5, rtol=1e-4
+    )
     runner.free("b")
     runner.free("c")
     assert runner.num_seqs == 0
