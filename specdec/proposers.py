@@ -28,6 +28,7 @@ class Proposal:
     num_draft_tokens: torch.Tensor  # [batch] int64
     draft_probs: torch.Tensor | None  # [batch, k, vocab] q, or None for point mass/uniform
     kind: ProposalKind
+    draft_logits: torch.Tensor | None = None  # [batch, k, vocab] raw logits (for guessing)
 
 
 class Proposer(ABC):
@@ -61,6 +62,31 @@ class DraftModelProposer(Proposer):
             del self._cached[seq_id]
             self.runner.free(seq_id)
 
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """Branch ``dst`` off ``src`` sharing its cached prefix (copied, not recomputed)."""
+        self.runner.fork(src, dst)
+        self._cached[dst] = list(self._cached[src])
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        self.runner.rename(old, new)
+        self._cached[new] = self._cached.pop(old)
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._cached
+
+    def extend(self, seqs: Sequence[SequenceState]) -> torch.Tensor:
+        """Feed each sequence's unfed committed tokens; returns raw next-token logits.
+
+        Used to look one token past the drafts (the distribution of a bonus token) without
+        sampling: returns ``[batch, vocab]`` logits after the last committed token.
+        """
+        ids = [s.seq_id for s in seqs]
+        feed = [self._sync(s) for s in seqs]
+        logits = self.runner.forward(ids, feed)
+        for sid, toks in zip(ids, feed, strict=True):
+            self._cached[sid].extend(toks)
+        return torch.stack([lg[-1] for lg in logits])
+
     def _sync(self, seq: SequenceState) -> list[int]:
         """Roll the draft cache back to the committed prefix; return the tokens to feed."""
         tokens = seq.token_ids
@@ -85,17 +111,19 @@ class DraftModelProposer(Proposer):
         vocab = self.runner.vocab_size
         draft = torch.zeros(batch, k, dtype=torch.long)
         probs = torch.zeros(batch, k, vocab)
+        raw = torch.zeros(batch, k, vocab)
         feed = [self._sync(s) for s in seqs]
         for i in range(k):
             logits = self.runner.forward(ids, feed)  # per row: [len(feed[row]), vocab]
-            q = probs_for(params, torch.stack([lg[-1] for lg in logits]))  # [batch, vocab]
+            raw[:, i] = torch.stack([lg[-1] for lg in logits])  # [batch, vocab]
+            q = probs_for(params, raw[:, i])
             tokens = sample(q, gens)  # [batch]
             draft[:, i] = tokens
             probs[:, i] = q
             for row, sid in enumerate(ids):
                 self._cached[sid].extend(feed[row])
             feed = [[int(t)] for t in tokens]
-        return Proposal(draft, torch.full((batch,), k, dtype=torch.long), probs, self.kind)
+        return Proposal(draft, torch.full((batch,), k, dtype=torch.long), probs, self.kind, raw)
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:

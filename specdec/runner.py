@@ -91,6 +91,19 @@ class ModelRunner:
             self._length[slot] = self._length[last]
         self._length.pop()
 
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """Start sequence ``dst`` as a copy of ``src`` (its cached keys/values and length)."""
+        self.add(dst)
+        src_slot, dst_slot = self._slot[src], self._slot[dst]
+        self.cache.copy_slot(src_slot, dst_slot)
+        self._length[dst_slot] = self._length[src_slot]
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Give sequence ``old`` the id ``new`` (which must be free); no data moves."""
+        if new in self._slot:
+            raise KeyError(f"sequence {new!r} already exists")
+        self._slot[new] = self._slot.pop(old)
+
     def length(self, seq_id: Hashable) -> int:
         """Number of tokens whose keys/values are cached for ``seq_id``."""
         return self._length[self._slot[seq_id]]

@@ -45,7 +45,7 @@ def tiny_draft(tmp_path_factory, tiny_target) -> str:
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.6)
+            p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
     path = tmp_path_factory.mktemp("draft")
     model.save_pretrained(path)
     return str(path)

@@ -1,0 +1,162 @@
+"""The one configuration schema, for Python callers and ``serve deploy`` YAML ``args``.
+
+Every field carries a description so that the schema documents itself (as in Ray Serve
+LLM's ``LLMConfig``). Resources always come from here, never from code: the same config
+runs the CPU demo and a GPU pair by changing ``num_gpus`` and ``accelerator_type``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    """Where a model comes from and how it is loaded."""
+
+    model: str = Field(description="Hugging Face hub id or local directory (from_pretrained).")
+    tokenizer: str | None = Field(
+        default=None, description="Tokenizer id or path; defaults to the model's own."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Compute dtype of the weights and KV cache."
+    )
+    device: str = Field(
+        default="auto",
+        description="'auto' (cuda when the worker has a GPU, else cpu), or a torch device.",
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Allow model code from the hub; off unless you trust the repo."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Longest prompt + output; defaults to the model's limit."
+    )
+    num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch intra-op threads in the worker (CPU); None keeps torch's default.",
+    )
+
+
+class WorkerResources(_Strict):
+    """Ray resources of one worker actor, turned into a placement-group bundle."""
+
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved for the worker.")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved for the worker.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom resources, e.g. {'target': 1} to pin the worker to labelled nodes.",
+    )
+    accelerator_type: str | None = Field(
+        default=None,
+        description="Ray accelerator type, e.g. 'H100'; becomes a resource constraint.",
+    )
+
+
+class SpeculationConfig(_Strict):
+    """How drafts are produced and how many per round."""
+
+    num_speculative_tokens: int = Field(
+        default=4, ge=0, le=16, description="Draft length k per round (the default for requests)."
+    )
+    max_speculative_tokens: int = Field(
+        default=8, ge=0, le=16, description="Upper bound on k for per-request overrides."
+    )
+    mode: Literal["sequential", "overlap"] = Field(
+        default="overlap",
+        description="'sequential': draft, then verify. 'overlap': the draft prepares the next "
+        "round's drafts for the expected verification outcomes while the target verifies.",
+    )
+    speculation_fanout: int = Field(
+        default=2,
+        ge=1,
+        le=8,
+        description="Overlap mode: bonus-token candidates prepared when all drafts are accepted.",
+    )
+    speculate_rejections: bool = Field(
+        default=True,
+        description="Overlap mode: also prepare drafts for a rejection at each draft position, "
+        "guessing the recovered token as the draft's best alternative.",
+    )
+
+
+class SchedulerConfig(_Strict):
+    """Continuous batching limits of one engine replica."""
+
+    max_num_seqs: int = Field(
+        default=16, ge=1, description="Sequences verified together per round."
+    )
+    max_waiting: int = Field(
+        default=256,
+        ge=0,
+        description="Requests queued beyond max_num_seqs before rejecting with 503.",
+    )
+
+
+class FaultConfig(_Strict):
+    """What to do when a worker dies."""
+
+    restart_timeout_s: float = Field(
+        default=120.0, gt=0, description="How long a replacement worker may take to load."
+    )
+    max_target_restarts: int = Field(
+        default=2, ge=0, description="Target replacements per engine before requests fail."
+    )
+
+
+class EngineConfig(_Strict):
+    """Everything one engine replica needs: the pair, resources, placement, pipeline."""
+
+    target: ModelSpec = Field(description="The model whose distribution is served.")
+    draft: ModelSpec | None = Field(
+        default=None, description="The draft model; None serves the target alone."
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="Name clients pass as 'model'; defaults to the target path's last part.",
+    )
+    target_resources: WorkerResources = Field(
+        default_factory=WorkerResources, description="Resources of the target worker."
+    )
+    draft_resources: WorkerResources = Field(
+        default_factory=WorkerResources, description="Resources of the draft worker."
+    )
+    engine_resources: WorkerResources = Field(
+        default_factory=lambda: WorkerResources(num_cpus=0.5),
+        description="Resources of the engine replica itself (scheduling, HTTP-side work).",
+    )
+    placement_strategy: PlacementStrategy = Field(
+        default="PACK",
+        description="PACK: one node if possible; SPREAD: prefer different nodes; "
+        "STRICT_SPREAD: draft and target must be on different nodes.",
+    )
+    transport: Literal["actor"] = Field(
+        default="actor",
+        description="Per-round transport between engine and workers: direct Ray actor calls.",
+    )
+    speculation: SpeculationConfig = Field(
+        default_factory=SpeculationConfig, description="Draft length and pipeline mode."
+    )
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="Continuous batching limits."
+    )
+    faults: FaultConfig = Field(default_factory=FaultConfig, description="Worker failure handling.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.speculation.num_speculative_tokens > self.speculation.max_speculative_tokens:
+            raise ValueError("num_speculative_tokens must be <= max_speculative_tokens")
+        if self.placement_strategy == "STRICT_SPREAD" and self.draft is None:
+            raise ValueError("STRICT_SPREAD places draft and target apart; it needs a draft model")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target.model.rstrip("/").split("/")[-1]

@@ -1,0 +1,233 @@
+"""The engine over real Ray actors: exactness in both modes, and worker failures."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+import torch
+from scipy.stats import chisquare
+
+from deployments.config import EngineConfig
+from deployments.engine import EngineError, SpecEngine
+from specdec.generate import generate_autoregressive
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams, probs_for
+
+PROMPTS = [
+    [5, 9, 14],
+    [30, 31, 32, 33, 34],
+    [7],
+    [60, 2, 61, 3, 62, 4, 63],
+    [11, 12, 11, 12, 11],
+    [3, 4],
+    [40, 41, 42],
+    [90, 1, 90],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    runner = ModelRunner(tiny_target)
+    return {tuple(p): generate_autoregressive(runner, p, GREEDY).token_ids for p in PROMPTS}
+
+
+def config(target, draft, **kw):
+    base = {
+        "target": {"model": target},
+        "draft": {"model": draft},
+        "scheduler": {"max_num_seqs": 4},
+        "target_resources": {"num_cpus": 1},
+        "draft_resources": {"num_cpus": 1},
+        "faults": {"restart_timeout_s": 60},
+    }
+    base.update(kw)
+    return EngineConfig.model_validate(base)
+
+
+async def collect(engine, prompt, params, **kw):
+    tokens, last = [], None
+    async for out in engine.generate(prompt, params, **kw):
+        tokens += out.new_token_ids
+        last = out
+    return tokens, last
+
+
+async def with_engine(cfg, body):
+    engine = SpecEngine(cfg)
+    await engine.start()
+    try:
+        return await body(engine)
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlap"])
+def test_greedy_through_engine_equals_target_only(
+    ray_local, tiny_target, tiny_draft, reference, mode
+):
+    cfg = config(tiny_target, tiny_draft, speculation={"mode": mode, "num_speculative_tokens": 3})
+
+    async def body(engine):
+        # 8 requests, at most 4 running at once: the rest join between rounds.
+        return await asyncio.gather(*[collect(engine, p, GREEDY) for p in PROMPTS])
+
+    results = asyncio.run(with_engine(cfg, body))
+    drafted = accepted = hits = 0
+    for prompt, (tokens, last) in zip(PROMPTS, results, strict=True):
+        assert tokens == reference[tuple(prompt)]
+        assert last.finished and last.finish_reason == "length"
+        drafted += last.stats.drafted
+        accepted += last.stats.accepted
+        hits += last.stats.cache_hits
+    assert 0 < accepted < drafted
+    if mode == "overlap":
+        assert hits > 0
+    else:
+        assert hits == 0
+
+
+def test_sampling_through_overlap_engine_follows_target(ray_local, tiny_target, tiny_draft):
+    """Joint law of the first four tokens (top_k=2: 16 outcomes) vs. the exact target law.
+
+    k=1 and a fanout of 2 make speculation-cache hits frequent, and the draft's guesses of
+    recovered tokens miss often enough that both paths carry many rounds.
+    """
+    cfg = config(
+        tiny_target,
+        tiny_draft,
+        scheduler={"max_num_seqs": 16, "max_waiting": 1000},
+        speculation={"mode": "overlap", "num_speculative_tokens": 1, "speculation_fanout": 2},
+    )
+    # 8 tokens are generated (so later rounds can hit the cache); the law of the first 4
+    # is checked.
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=8, ignore_eos=True)
+    prompt = PROMPTS[0]
+    n = 800
+
+    async def body(engine):
+        torch.manual_seed(0)
+        outs = await asyncio.gather(*[collect(engine, prompt, params) for _ in range(n)])
+        return outs, await engine.draft.stats.remote()
+
+    outs, stats = asyncio.run(with_engine(cfg, body))
+    hits = sum(last.stats.cache_hits for _, last in outs)
+    rounds = sum(last.stats.rounds for _, last in outs)
+    print(f"overlap exactness: {rounds} drafted rounds, {hits} cache hits, {rounds - hits} misses")
+    assert hits > 100 and rounds - hits > 100
+    assert stats["hits"] == hits
+
+    runner = ModelRunner(tiny_target)
+
+    def dist(tokens):
+        with torch.no_grad():
+            logits = runner.model(torch.tensor([tokens])).logits[:, -1]
+        return probs_for([params], logits)[0]
+
+    expected = {}
+
+    def expand(prefix, prob, depth):
+        if depth == 4:
+            expected[tuple(prefix[len(prompt) :])] = prob
+            return
+        d = dist(prefix)
+        for t in d.nonzero()[:, 0].tolist():
+            expand([*prefix, t], prob * float(d[t]), depth + 1)
+
+    expand(list(prompt), 1.0, 0)
+    counts = {}
+    for tokens, _ in outs:
+        counts[tuple(tokens[:4])] = counts.get(tuple(tokens[:4]), 0) + 1
+    assert set(counts) <= set(expected)
+    keys = sorted(expected)
+    obs = [counts.get(k, 0) for k in keys]
+    total = sum(expected.values())
+    exp = [expected[k] * n / total for k in keys]
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+async def _kill_after(engine, actor_attr, tokens_seen, threshold):
+    while sum(tokens_seen) < threshold:
+        await asyncio.sleep(0.005)
+    ray.kill(getattr(engine, actor_attr), no_restart=True)
+
+
+async def _run_with_kill(engine, actor_attr, prompts, params):
+    seen = [0] * len(prompts)
+
+    async def one(i, prompt):
+        tokens = []
+        async for out in engine.generate(prompt, params):
+            tokens += out.new_token_ids
+            seen[i] = len(tokens)
+        return tokens
+
+    killer = asyncio.ensure_future(_kill_after(engine, actor_attr, seen, 8 * len(prompts)))
+    results = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    await killer
+    return results
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlap"])
+def test_draft_killed_mid_generation_requests_complete_unchanged(
+    ray_local, tiny_target, tiny_draft, reference, mode
+):
+    cfg = config(tiny_target, tiny_draft, speculation={"mode": mode})
+    prompts = PROMPTS[:4]
+
+    async def body(engine):
+        old = engine.draft
+        results = await _run_with_kill(engine, "draft", prompts, GREEDY)
+        # A replacement draft comes up and serves again.
+        deadline = time.monotonic() + 60
+        while engine.draft is None or engine.draft is old:
+            assert time.monotonic() < deadline, "no replacement draft"
+            await asyncio.sleep(0.1)
+        again, last = await collect(engine, PROMPTS[5], GREEDY)
+        return results, again, last
+
+    results, again, last = asyncio.run(with_engine(cfg, body))
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == reference[tuple(prompt)]
+    assert again == reference[tuple(PROMPTS[5])]
+    assert last.stats.drafted > 0  # speculation resumed on the new draft
+
+
+def test_target_killed_mid_generation_requests_resume(
+    ray_local, tiny_target, tiny_draft, reference
+):
+    cfg = config(tiny_target, tiny_draft)
+    prompts = PROMPTS[:4]
+
+    async def body(engine):
+        old = engine.target
+        results = await asyncio.wait_for(_run_with_kill(engine, "target", prompts, GREEDY), 120)
+        assert engine.target is not old
+        return results, engine.health()
+
+    results, health = asyncio.run(with_engine(cfg, body))
+    # Resumed from the tokens already produced: nothing lost, output unchanged.
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == reference[tuple(prompt)]
+    assert health["target_restarts"] == 1 and health["ready"]
+
+
+def test_target_killed_without_restarts_fails_cleanly(ray_local, tiny_target, tiny_draft):
+    cfg = config(
+        tiny_target, tiny_draft, faults={"max_target_restarts": 0, "restart_timeout_s": 60}
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def body(engine):
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="target worker died"):
+            await asyncio.wait_for(_run_with_kill(engine, "target", PROMPTS[:3], params), 60)
+        elapsed = time.monotonic() - t0
+        # New requests are refused with the same clear reason instead of hanging.
+        with pytest.raises(EngineError, match="target worker died"):
+            await collect(engine, PROMPTS[0], GREEDY)
+        return elapsed, engine.health()
+
+    elapsed, health = asyncio.run(with_engine(cfg, body))
+    assert elapsed < 60 and not health["ready"]
