@@ -77,8 +77,9 @@ class EngineDeployment:
         return {
             **self.engine.health(),
             "replica_id": self.replica_id,
-            "target_node": self.engine.target_info.get("node_id"),
-            "draft_node": self.engine.draft_info.get("node_id"),
+            "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
+            "target": self.engine.target_info,
+            "draft": self.engine.draft_info,
         }
 
     async def timings(self) -> dict[str, Any]:

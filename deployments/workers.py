@@ -44,8 +44,11 @@ def _load(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
 
 
 def _info(runner: ModelRunner) -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    pg = ctx.get_placement_group_id()
     return {
-        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_id": ctx.get_node_id(),
+        "placement_group_id": pg,
         "pid": os.getpid(),
         "vocab_size": runner.vocab_size,
         "max_model_len": runner.max_model_len,

@@ -1,0 +1,51 @@
+"""The engine as a Ray Serve deployment: placement bundles, handles, streaming."""
+
+import pytest
+from ray import serve
+
+from deployments.config import EngineConfig
+from deployments.engine_deployment import build_engine
+from specdec.generate import generate_autoregressive
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def serve_engine(ray_local, tiny_target, tiny_draft):
+    cfg = EngineConfig.model_validate(
+        {
+            "target": {"model": tiny_target},
+            "draft": {"model": tiny_draft},
+            "engine_resources": {"num_cpus": 0.5},
+            "target_resources": {"num_cpus": 1},
+            "draft_resources": {"num_cpus": 1},
+        }
+    )
+    handle = serve.run(build_engine(cfg), name="engine-test", route_prefix=None)
+    yield handle
+    serve.delete("engine-test")
+
+
+def test_workers_live_in_the_replicas_placement_group(serve_engine):
+    info = serve_engine.health_info.remote().result()
+    assert info["ready"] and info["placement_group_id"]
+    assert info["target"]["placement_group_id"] == info["placement_group_id"]
+    assert info["draft"]["placement_group_id"] == info["placement_group_id"]
+
+
+def test_streamed_greedy_output_through_handle_equals_target_only(serve_engine, tiny_target):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = [30, 31, 32, 33, 34]
+    expected = generate_autoregressive(ModelRunner(tiny_target), prompt, params).token_ids
+    chunks = list(
+        serve_engine.options(stream=True).generate.remote(
+            {
+                "prompt_token_ids": prompt,
+                "params": {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True},
+            }
+        )
+    )
+    tokens = [t for c in chunks for t in c["new_token_ids"]]
+    assert tokens == expected
+    assert len(chunks) > 1 and chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
+    assert chunks[-1]["stats"]["drafted"] > 0

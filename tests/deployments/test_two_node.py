@@ -1,0 +1,62 @@
+"""On a two-node local cluster, draft and target land on different nodes and generate."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.generate import generate_autoregressive
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path):
+    env = {
+        **os.environ,
+        "RAY": str(Path(sys.executable).parent / "ray"),
+        "SPECSERVE_RAY_PORT": "6391",
+        "SPECSERVE_RAY_TEMP_DIR": f"/tmp/specserve-test-{os.getpid()}",
+        "SPECSERVE_HEAD_CPUS": "2",
+        "SPECSERVE_WORKER_CPUS": "2",
+        "RAY_AUTH_MODE": "token",
+    }
+    script = ROOT / "cluster" / "local_cluster.sh"
+    address = subprocess.run(
+        [str(script), "start"], env=env, check=True, capture_output=True, text=True, timeout=120
+    ).stdout.strip()
+    try:
+        yield address, env
+    finally:
+        subprocess.run([str(script), "stop"], env=env, timeout=60, check=False)
+
+
+def test_draft_and_target_on_different_nodes(two_node_cluster, tiny_target, tiny_draft):
+    address, env = two_node_cluster
+    job = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("two_node_job.py")),
+            address,
+            tiny_target,
+            tiny_draft,
+        ],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    result = json.loads(job.stdout.strip().splitlines()[-1])
+    assert result["target_node"] != result["draft_node"]
+    assert "target" in result["target_node_resources"]
+    assert "draft" in result["draft_node_resources"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = generate_autoregressive(ModelRunner(tiny_target), [30, 31, 32, 33, 34], params)
+    assert result["tokens"] == expected.token_ids
+    assert result["drafted"] > 0
