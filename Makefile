@@ -23,11 +23,22 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Ray 2.60 turns on token authentication for `ray start`; every client (`serve deploy`,
+# `serve status`, ray.init) must then run with RAY_AUTH_MODE=token.
+export RAY_AUTH_MODE := token
+RAY_NUM_CPUS ?= 4
+SERVE_URL ?= http://127.0.0.1:8000
+
 serve: $(STAMP)
-	@echo "make serve: not yet available (the HTTP API lands with issue #5)."
+	@$(BIN)/ray status >/dev/null 2>&1 || $(BIN)/ray start --head --num-cpus=$(RAY_NUM_CPUS) \
+		--dashboard-host=127.0.0.1 --disable-usage-stats
+	$(BIN)/serve deploy cluster/serve/demo.yaml
+	$(BIN)/python -m deployments.smoke --url $(SERVE_URL)
+	@echo "Status: RAY_AUTH_MODE=token $(BIN)/serve status   Stop: make down"
 
 down:
-	@echo "make down: nothing to stop yet."
+	-$(BIN)/serve shutdown -y
+	-$(BIN)/ray stop
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

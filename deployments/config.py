@@ -7,9 +7,10 @@ runs the CPU demo and a GPU pair by changing ``num_gpus`` and ``accelerator_type
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -18,10 +19,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_model_path(name: str) -> str:
+    """Relative paths that do not exist from the working directory are tried against the
+    SpecServe checkout, so ``models/demo-target`` works from any Ray worker's cwd; hub ids
+    and absolute paths pass through unchanged."""
+    path = Path(name)
+    if path.is_absolute() or path.exists() or not (PROJECT_ROOT / path).exists():
+        return name
+    return str(PROJECT_ROOT / path)
+
+
 class ModelSpec(_Strict):
     """Where a model comes from and how it is loaded."""
 
-    model: str = Field(description="Hugging Face hub id or local directory (from_pretrained).")
+    model: str = Field(
+        description="Hugging Face hub id or local directory (from_pretrained). Relative "
+        "directories are resolved against the working directory, then the SpecServe checkout."
+    )
     tokenizer: str | None = Field(
         default=None, description="Tokenizer id or path; defaults to the model's own."
     )
@@ -43,6 +60,11 @@ class ModelSpec(_Strict):
         ge=1,
         description="torch intra-op threads in the worker (CPU); None keeps torch's default.",
     )
+
+    @field_validator("model", "tokenizer")
+    @classmethod
+    def _resolve(cls, value: str | None) -> str | None:
+        return None if value is None else resolve_model_path(value)
 
 
 class WorkerResources(_Strict):
@@ -160,3 +182,30 @@ class EngineConfig(_Strict):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.target.model.rstrip("/").split("/")[-1]
+
+
+class AppConfig(_Strict):
+    """The ``args`` of ``deployments.app:build_app`` in a ``serve deploy`` config."""
+
+    engine: EngineConfig = Field(description="The engine each replica runs.")
+    api_key: str | None = Field(
+        default=None,
+        description="Bearer key required on /v1/*; None reads SPECSERVE_API_KEY from the "
+        "replica's environment, and no key there means no authentication.",
+    )
+    max_body_bytes: int = Field(
+        default=1_000_000, ge=1024, description="Larger request bodies get HTTP 413."
+    )
+    default_max_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="max_tokens when a request does not say (capped by the context).",
+    )
+    num_replicas: int | None = Field(
+        default=1, ge=1, description="Fixed replica count (each owns a draft/target pair)."
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        default=None,
+        description="Serve autoscaling_config (min_replicas, max_replicas, "
+        "target_ongoing_requests, ...); overrides num_replicas.",
+    )

@@ -85,16 +85,25 @@ class _Request:
 
 @dataclass
 class RoundTimings:
-    """Accumulated wall time per round phase, for benchmarks and metrics."""
+    """Accumulated time per round phase, for benchmarks and metrics.
+
+    ``*_wait_s`` is what the engine waited for (transport included); ``*_compute_s`` is
+    what the workers report computing. The overhead is everything on the critical path
+    that is not model work: transport, serialization, engine bookkeeping.
+    """
 
     rounds: int = 0
-    draft_s: float = 0.0  # waiting for proposals (misses draft here)
-    verify_s: float = 0.0  # waiting for the target (overlapped speculation included)
-    total_s: float = 0.0  # whole rounds, including engine bookkeeping
+    total_s: float = 0.0  # whole rounds as the engine saw them
+    draft_wait_s: float = 0.0  # waiting for proposals (a miss drafts here)
+    verify_wait_s: float = 0.0  # waiting for the target (and the overlapped speculation)
+    draft_compute_s: float = 0.0
+    verify_compute_s: float = 0.0
+    speculate_compute_s: float = 0.0  # overlapped with verification
+    critical_compute_s: float = 0.0  # per round: draft + max(verify, speculate)
 
     @property
     def overhead_s(self) -> float:
-        return self.total_s - self.draft_s - self.verify_s
+        return self.total_s - self.critical_compute_s
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
@@ -122,6 +131,7 @@ class SpecEngine:
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._fatal: str | None = None
+        self.aborted = 0  # requests whose client went away before they finished
         self.timings = RoundTimings()
 
     # ----- workers ----------------------------------------------------------------------
@@ -196,6 +206,7 @@ class SpecEngine:
             "target_restarts": self._target_restarts,
             "running": len(self._running),
             "waiting": len(self._waiting),
+            "aborted": self.aborted,
             "error": self._fatal,
         }
 
@@ -255,8 +266,9 @@ class SpecEngine:
                 if item.finished:
                     return
         finally:
-            if not req.seq.finished:
+            if not req.seq.finished and not req.aborted:
                 req.aborted = True
+                self.aborted += 1
                 self._wakeup.set()
 
     def _emit(self, req: _Request, new: list[int]) -> None:
@@ -350,6 +362,7 @@ class SpecEngine:
             for r in reqs
         ]
         drafts: list[tuple[list[int], Any, bool]] = [([], None, False)] * len(reqs)
+        draft_compute = spec_compute = 0.0
         t0 = time.perf_counter()
         if any(ks):
             items = [
@@ -358,7 +371,7 @@ class SpecEngine:
             ]
             proposed = await self._call_draft("propose", items)
             if proposed is not None:
-                drafts = proposed
+                drafts, draft_compute = proposed
             else:
                 ks = [0] * len(reqs)
         t1 = time.perf_counter()
@@ -370,12 +383,15 @@ class SpecEngine:
         if self.config.speculation.mode == "overlap" and any(ks) and self.draft is not None:
             spec_items = [(r.seq.seq_id, k) for r, k in zip(reqs, ks, strict=True) if k > 0]
             speculate = asyncio.ensure_future(self._call_draft("speculate", spec_items))
-        results = await self._call_target("verify", verify_items)
+        verified = await self._call_target("verify", verify_items)
         if speculate is not None:
-            await speculate
+            speculated = await speculate
+            if speculated is not None:
+                spec_compute = speculated[1]
         t2 = time.perf_counter()
-        if results is None:  # the target was replaced; sequences were re-prefilled
+        if verified is None:  # the target was replaced; sequences were re-prefilled
             return
+        results, verify_compute = verified
         for req, (tokens, accepted), d in zip(reqs, results, drafts, strict=True):
             if d[0]:
                 req.stats.drafted += len(d[0])
@@ -385,8 +401,12 @@ class SpecEngine:
             self._commit(req, tokens)
         timings = self.timings
         timings.rounds += 1
-        timings.draft_s += t1 - t0
-        timings.verify_s += t2 - t1
+        timings.draft_wait_s += t1 - t0
+        timings.verify_wait_s += t2 - t1
+        timings.draft_compute_s += draft_compute
+        timings.verify_compute_s += verify_compute
+        timings.speculate_compute_s += spec_compute
+        timings.critical_compute_s += draft_compute + max(verify_compute, spec_compute)
         timings.total_s += time.perf_counter() - t_round
 
     # ----- fault handling ---------------------------------------------------------------

@@ -8,6 +8,7 @@ greedy verification needs no ``q``), never logits of the target.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Hashable
 from typing import Any
 
@@ -101,12 +102,14 @@ class TargetWorker:
 
     def verify(
         self, items: list[tuple[Hashable, int, list[int], np.ndarray | None]]
-    ) -> list[tuple[list[int], int]]:
+    ) -> tuple[list[tuple[list[int], int]], float]:
         """Verify ``(seq_id, newest committed token, draft tokens, draft q or None)``.
 
         Returns per sequence the tokens it commits this round and how many drafts were
-        accepted. Rows with no drafts are plain decode steps in the same batched pass.
+        accepted (rows with no drafts are plain decode steps in the same batched pass),
+        and the seconds this worker computed, so the engine can tell transport from work.
         """
+        t0 = time.perf_counter()
         ids = [it[0] for it in items]
         cached = [self.runner.length(i) for i in ids]
         logits = self.runner.forward(ids, [[it[1], *it[2]] for it in items])
@@ -141,7 +144,7 @@ class TargetWorker:
             a = int(out.num_accepted[row])
             self.runner.rollback(sid, cached[row] + 1 + a)
             results.append((out.tokens(row), a))
-        return results
+        return results, time.perf_counter() - t0
 
     def free(self, seq_ids: list[Hashable]) -> None:
         for sid in seq_ids:
@@ -182,20 +185,23 @@ class DraftWorker:
 
     def propose(
         self, items: list[tuple[Hashable, list[int], dict, int]]
-    ) -> list[tuple[list[int], np.ndarray | None, bool]]:
+    ) -> tuple[list[tuple[list[int], np.ndarray | None, bool]], float]:
         """``(seq_id, committed tokens, params, k)`` -> ``(drafts, q or None, hit)``.
 
         ``q`` travels as float32: rounding it would make acceptance tests use a slightly
         different distribution than the one the drafts were sampled from.
         """
+        t0 = time.perf_counter()
         states = [self._state(sid, toks, params) for sid, toks, params, _ in items]
         results = self.drafter.propose(states, [it[3] for it in items])
-        return [(r.tokens, None if r.probs is None else r.probs.numpy(), r.hit) for r in results]
+        out = [(r.tokens, None if r.probs is None else r.probs.numpy(), r.hit) for r in results]
+        return out, time.perf_counter() - t0
 
-    def speculate(self, items: list[tuple[Hashable, int]]) -> int:
-        """Draft ahead for the outcomes of the last proposals of these sequences."""
+    def speculate(self, items: list[tuple[Hashable, int]]) -> tuple[int, float]:
+        """Draft ahead for the outcomes of the last proposals; returns (branches, seconds)."""
+        t0 = time.perf_counter()
         states = [self.seqs[sid] for sid, _ in items]
-        return self.drafter.speculate(states, [k for _, k in items])
+        return self.drafter.speculate(states, [k for _, k in items]), time.perf_counter() - t0
 
     def free(self, seq_ids: list[Hashable]) -> None:
         for sid in seq_ids:

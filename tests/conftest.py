@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 96
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = str(ROOT / "models" / "demo-target")
+DEMO_DRAFT = str(ROOT / "models" / "demo-draft")
+DEMO_DRAFT_PYTHON = str(ROOT / "models" / "demo-draft-python")
 
 
 def save_tiny_llama(path, *, seed: int, layers: int, hidden: int, vocab: int = VOCAB) -> str:

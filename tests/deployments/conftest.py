@@ -18,3 +18,18 @@ def ray_local():
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_local):
+    """Ray Serve's HTTP proxy on a free loopback port; yields the base URL."""
+    import socket
+
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

@@ -3,15 +3,15 @@
 import pytest
 from ray import serve
 
-from deployments.config import EngineConfig
-from deployments.engine_deployment import build_engine
+from deployments.app import build_specserve_app
+from deployments.config import AppConfig, EngineConfig
 from specdec.generate import generate_autoregressive
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def serve_engine(ray_local, tiny_target, tiny_draft):
+def serve_engine(serve_http, tiny_target, tiny_draft):
     cfg = EngineConfig.model_validate(
         {
             "target": {"model": tiny_target},
@@ -21,7 +21,9 @@ def serve_engine(ray_local, tiny_target, tiny_draft):
             "draft_resources": {"num_cpus": 1},
         }
     )
-    handle = serve.run(build_engine(cfg), name="engine-test", route_prefix=None)
+    handle = serve.run(
+        build_specserve_app(config=AppConfig(engine=cfg)), name="engine-test", route_prefix=None
+    )
     yield handle
     serve.delete("engine-test")
 

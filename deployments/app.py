@@ -1,26 +1,29 @@
-"""The Serve deployment that hosts one :class:`SpecEngine` per replica.
+"""The Serve application: one deployment whose replicas run the engine and its HTTP API.
 
-Each replica is created inside its own placement group (Serve's
-``placement_group_bundles``): bundle 0 holds the replica, the target and draft workers go
-into their bundles, so scaling the deployment scales whole draft/target pairs.
+``serve deploy cluster/serve/demo.yaml`` imports :func:`build_app` with the YAML's
+``args``; those are validated by :class:`deployments.config.AppConfig`, the same schema
+Python callers use through :func:`build_specserve_app`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
 import ray
 from ray import serve
+from ray.serve import Application
 
-from deployments.config import EngineConfig
+from deployments.config import AppConfig, EngineConfig
 from deployments.engine import SpecEngine
 from deployments.placement import placement_for
+from deployments.server import create_app
 from specdec.sampling import SamplingParams
 
-logger = logging.getLogger("specserve.engine")
+logger = logging.getLogger("specserve.app")
 
 
 def load_tokenizer(config: EngineConfig):
@@ -38,19 +41,27 @@ def load_tokenizer(config: EngineConfig):
 
 
 @serve.deployment(max_ongoing_requests=512, health_check_period_s=5)
-class EngineDeployment:
-    """Runs the engine; the HTTP ingress (or any handle) calls :meth:`generate`."""
+@serve.ingress()
+class SpecServeDeployment:
+    """A replica: the engine (with its own draft/target workers) plus the OpenAI API."""
 
     async def __init__(self, config: dict[str, Any]):
-        self.config = EngineConfig.model_validate(config)
-        self.tokenizer = load_tokenizer(self.config)
+        self.config = AppConfig.model_validate(config)
+        if self.config.api_key is None and os.environ.get("SPECSERVE_API_KEY"):
+            self.config = self.config.model_copy(
+                update={"api_key": os.environ["SPECSERVE_API_KEY"]}
+            )
+        self.tokenizer = load_tokenizer(self.config.engine)
         pg = ray.util.get_current_placement_group()
-        self.engine = SpecEngine(self.config, placement_group=pg, tokenizer=self.tokenizer)
+        self.engine = SpecEngine(self.config.engine, placement_group=pg, tokenizer=self.tokenizer)
         await self.engine.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
+    def __serve_build_asgi_app__(self):
+        return create_app(self.config, self.engine, self.tokenizer, self.replica_id)
+
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream the outputs of one request.
+        """Token-level streaming for Python handles (benchmarks, tests).
 
         ``request``: ``prompt_token_ids``, ``params`` (SamplingParams fields), and optional
         ``num_speculative_tokens``, ``speculation`` (bool) and ``request_id``.
@@ -88,31 +99,30 @@ class EngineDeployment:
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose target cannot be restarted is unhealthy."""
-        if self.engine._fatal:
-            raise RuntimeError(self.engine._fatal)
+        if self.engine.health()["error"]:
+            raise RuntimeError(self.engine.health()["error"])
 
 
-def build_engine(
-    config: EngineConfig,
-    *,
-    num_replicas: int | None = None,
-    autoscaling_config: dict[str, Any] | None = None,
-    name: str = "SpecServeEngine",
-):
-    """A bound engine deployment with its placement group per replica."""
-    placement = placement_for(config)
+def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Application:
+    """The bound application; each replica gets its own placement group for its pair."""
+    placement = placement_for(config.engine)
     options: dict[str, Any] = {
         "name": name,
         "placement_group_bundles": placement.bundles,
         "placement_group_strategy": placement.strategy,
         "ray_actor_options": {
-            # The replica must fit in bundle 0 of its placement group.
+            # The replica itself must fit in bundle 0 of its placement group.
             "num_cpus": placement.bundles[0].get("CPU", 0),
             "num_gpus": placement.bundles[0].get("GPU", 0),
         },
     }
-    if autoscaling_config is not None:
-        options["autoscaling_config"] = autoscaling_config
-    elif num_replicas is not None:
-        options["num_replicas"] = num_replicas
-    return EngineDeployment.options(**options).bind(config.model_dump())
+    if config.autoscaling_config is not None:
+        options["autoscaling_config"] = config.autoscaling_config
+    else:
+        options["num_replicas"] = config.num_replicas
+    return SpecServeDeployment.options(**options).bind(config.model_dump())
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Entry point for ``serve deploy``: ``import_path: deployments.app:build_app``."""
+    return build_specserve_app(config=AppConfig.model_validate(args))

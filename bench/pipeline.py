@@ -1,0 +1,185 @@
+"""Benchmark of the distributed pipeline on the demo pair (real Ray actors).
+
+    python -m bench.pipeline        # writes bench/results/pipeline.json and pipeline.png
+
+For 1, 4 and 16 concurrent greedy requests it runs, side by side in one run:
+target-only (speculation off per request), sequential mode and overlap mode. It reports
+tokens/s, the per-round split (draft, verify, speculate compute; overhead = everything on
+the critical path that is not model work) and the speculation-cache hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+from transformers import AutoTokenizer
+
+from bench.common import write_result
+from deployments.config import EngineConfig
+from deployments.engine import RoundTimings, SpecEngine
+from specdec.demo.corpus import read_jsonl
+from specdec.sampling import SamplingParams
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def engine_config(mode: str, k: int, max_num_seqs: int) -> EngineConfig:
+    return EngineConfig.model_validate(
+        {
+            "target": {"model": str(MODELS / "demo-target"), "num_threads": 1},
+            "draft": {"model": str(MODELS / "demo-draft"), "num_threads": 1},
+            "engine_resources": {"num_cpus": 0},
+            "target_resources": {"num_cpus": 1},
+            "draft_resources": {"num_cpus": 1},
+            "speculation": {"mode": mode, "num_speculative_tokens": k},
+            "scheduler": {"max_num_seqs": max_num_seqs, "max_waiting": 1024},
+        }
+    )
+
+
+async def run_load(
+    engine: SpecEngine, prompts, concurrency: int, requests: int, params, speculation: bool
+):
+    engine.timings = RoundTimings()
+    queue = list(range(requests))
+    tokens = drafted = accepted = rounds = hits = 0
+
+    async def worker():
+        nonlocal tokens, drafted, accepted, rounds, hits
+        while queue:
+            i = queue.pop()
+            last = None
+            async for out in engine.generate(
+                prompts[i % len(prompts)], params, speculation=speculation
+            ):
+                last = out
+            tokens += last.num_output_tokens
+            drafted += last.stats.drafted
+            accepted += last.stats.accepted
+            rounds += last.stats.rounds
+            hits += last.stats.cache_hits
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    wall = time.perf_counter() - t0
+    t = engine.timings
+    per_round = {
+        key: round(value / max(1, t.rounds) * 1e3, 3)
+        for key, value in asdict(t).items()
+        if key.endswith("_s")
+    }
+    per_round["overhead_ms"] = round(t.overhead_s / max(1, t.rounds) * 1e3, 3)
+    return {
+        "tokens_per_s": round(tokens / wall, 2),
+        "requests": requests,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "rounds": t.rounds,
+        "per_round_ms": {k.replace("_s", "_ms"): v for k, v in per_round.items()},
+        "overhead_fraction": round(t.overhead_s / t.total_s, 4) if t.total_s else None,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "cache_hit_rate": round(hits / rounds, 4) if rounds else None,
+    }
+
+
+async def bench(args) -> dict:
+    tok = AutoTokenizer.from_pretrained(MODELS / "demo-target")
+    rows = (
+        read_jsonl(MODELS / "prompts" / "python.jsonl")[:8]
+        + read_jsonl(MODELS / "prompts" / "prose.jsonl")[:8]
+    )
+    prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    results: dict = {}
+    for mode in ("sequential", "overlap"):
+        engine = SpecEngine(engine_config(mode, args.k, max(args.concurrency)))
+        await engine.start()
+        try:
+            for c in args.concurrency:
+                n = max(args.min_requests, c * 2)
+                if mode == "sequential":  # target-only runs on the same workers, drafts off
+                    results.setdefault(str(c), {})["target_only"] = await run_load(
+                        engine, prompts, c, n, params, False
+                    )
+                results.setdefault(str(c), {})[mode] = await run_load(
+                    engine, prompts, c, n, params, True
+                )
+                print(c, mode, results[str(c)][mode]["tokens_per_s"], flush=True)
+        finally:
+            await engine.shutdown()
+    for r in results.values():
+        base = r["target_only"]["tokens_per_s"]
+        r["speedup"] = {
+            "sequential_vs_target_only": round(r["sequential"]["tokens_per_s"] / base, 3),
+            "overlap_vs_target_only": round(r["overlap"]["tokens_per_s"] / base, 3),
+            "overlap_vs_sequential": round(
+                r["overlap"]["tokens_per_s"] / r["sequential"]["tokens_per_s"], 3
+            ),
+        }
+    return results
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = list(results)
+    modes = ["target_only", "sequential", "overlap"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    width = 0.27
+    for i, m in enumerate(modes):
+        ax.bar(
+            [j + (i - 1) * width for j in range(len(conc))],
+            [results[c][m]["tokens_per_s"] for c in conc],
+            width,
+            label=m,
+        )
+    ax.set_xticks(range(len(conc)), [f"{c} concurrent" for c in conc])
+    ax.set(title="throughput (greedy, demo pair)", ylabel="tokens / s")
+    ax.legend()
+    ax = axes[1]
+    labels, draft, verify, over = [], [], [], []
+    for c in conc:
+        for m in ("sequential", "overlap"):
+            pr = results[c][m]["per_round_ms"]
+            labels.append(f"{m[:3]}\n{c}")
+            draft.append(pr["draft_compute_ms"])
+            verify.append(max(pr["verify_compute_ms"], pr["speculate_compute_ms"]))
+            over.append(pr["overhead_ms"])
+    ax.bar(labels, draft, label="draft (critical path)")
+    ax.bar(labels, verify, bottom=draft, label="verify ∥ speculate")
+    ax.bar(
+        labels, over, bottom=[a + b for a, b in zip(draft, verify, strict=True)], label="overhead"
+    )
+    ax.set(title="per-round time split", ylabel="ms per round")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--min-requests", type=int, default=8)
+    args = parser.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    results = asyncio.run(bench(args))
+    path = write_result(
+        "pipeline", vars(args) | {"transport": "actor", "workers_threads": 1}, results
+    )
+    plot(results, path.with_suffix(".png"))
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Wait for a SpecServe endpoint to be healthy, then answer one request with `openai`.
+
+Used by ``make serve``: ``python -m deployments.smoke --url http://127.0.0.1:8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def wait_healthy(url: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                body = json.load(resp)
+                if body.get("status") == "ok":
+                    return body
+                last = json.dumps(body)
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}: {exc.read().decode()[:200]}"
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            last = str(exc)
+        time.sleep(1)
+    raise SystemExit(f"SpecServe at {url} was not healthy after {timeout_s:.0f}s: {last}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m deployments.smoke")
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--prompt", default="def fibonacci(n):\n")
+    args = parser.parse_args()
+
+    from openai import OpenAI
+
+    t0 = time.monotonic()
+    wait_healthy(args.url, args.timeout)
+    client = OpenAI(base_url=f"{args.url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    resp = client.completions.create(model=model, prompt=args.prompt, max_tokens=64, temperature=0)
+    print(f"healthy after {time.monotonic() - t0:.1f}s; model {model!r}")
+    print("--- prompt ---")
+    print(args.prompt, end="")
+    print("--- completion ---")
+    print(resp.choices[0].text)
+    print("--- speculation ---")
+    print(json.dumps(resp.model_extra.get("speculation"), indent=2))
+    print(f"--- use it ---\nOpenAI-compatible API at {args.url}/v1 (model {model!r})")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Every shipped serve config validates against the one schema (AppConfig)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.config import AppConfig
+from deployments.placement import placement_for
+
+CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
+
+
+def serve_configs():
+    for path in sorted((CLUSTER / "serve").glob("*.yaml")):
+        yield path.name, yaml.safe_load(path.read_text())
+    manifest = yaml.safe_load((CLUSTER / "kuberay-rayservice.yaml").read_text())
+    yield "kuberay-rayservice.yaml", yaml.safe_load(manifest["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize(("name", "config"), list(serve_configs()))
+def test_serve_config_args_validate(name, config):
+    (app,) = config["applications"]
+    assert app["import_path"] == "deployments.app:build_app"
+    cfg = AppConfig.model_validate(app["args"])
+    placement = placement_for(cfg.engine)
+    assert placement.draft_bundle is not None, f"{name} should configure a draft"
+
+
+def test_kuberay_spreads_draft_and_target():
+    manifest = yaml.safe_load((CLUSTER / "kuberay-rayservice.yaml").read_text())
+    args = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]
+    cfg = AppConfig.model_validate(args)
+    assert cfg.engine.placement_strategy == "STRICT_SPREAD"
+    groups = {
+        g["groupName"]: g["rayStartParams"]["resources"]
+        for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    }
+    assert "target" in groups["target-gpu"] and "draft" in groups["draft-gpu"]
+    assert cfg.engine.target_resources.resources == {"target": 1}
+    assert cfg.engine.draft_resources.resources == {"draft": 1}
+
+
+def test_ray_cluster_yaml_labels_node_types():
+    cluster = yaml.safe_load((CLUSTER / "ray-cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert (
+        "target" in types["target_gpu"]["resources"] and "draft" in types["draft_gpu"]["resources"]
+    )

@@ -1,0 +1,286 @@
+"""The OpenAI-compatible API over real HTTP, on the committed demo pair."""
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from openai import APIStatusError, OpenAI
+from ray import serve
+from transformers import AutoTokenizer
+
+from deployments.app import build_specserve_app
+from deployments.config import AppConfig
+from specdec.generate import generate_autoregressive
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET
+
+MODEL = "demo-target"
+PROMPT = "import os\n\ndef read_config(path):\n"
+
+
+def engine_args(**kw):
+    args = {
+        "target": {"model": DEMO_TARGET, "num_threads": 1},
+        "draft": {"model": DEMO_DRAFT, "num_threads": 1},
+        "engine_resources": {"num_cpus": 0.5},
+        "target_resources": {"num_cpus": 1},
+        "draft_resources": {"num_cpus": 1},
+        "speculation": {"num_speculative_tokens": 4},
+    }
+    args.update(kw)
+    return args
+
+
+def deploy(name, prefix, **app_kw):
+    cfg = AppConfig.model_validate(app_kw)
+    serve.run(build_specserve_app(config=cfg, name=name), name=name, route_prefix=prefix)
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_http):
+    # Two replicas, each with its own draft/target pair in its own placement group.
+    deploy("SpecServe", "/", engine=engine_args(), num_replicas=2, max_body_bytes=20_000)
+    yield serve_http
+    serve.delete("SpecServe")
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEMO_TARGET)
+
+
+def test_models_and_health(base_url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["status"] == "ok" and health["target"] and health["draft"]
+
+
+def test_greedy_completion_equals_target_only(client, tokenizer):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0)
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ref = generate_autoregressive(
+        ModelRunner(DEMO_TARGET),
+        prompt_ids,
+        SamplingParams(temperature=0, max_tokens=48),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    assert resp.choices[0].text == tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    spec = resp.model_extra["speculation"]
+    assert spec["enabled"] and spec["drafted"] > 0 and 0 < spec["acceptance_rate"] <= 1
+    assert spec["mean_acceptance_length"] > 1 and spec["rounds"] > 0
+
+
+def test_streamed_text_equals_non_streamed_for_same_seed(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0.8, seed=1234)
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].model_extra["speculation"]["drafted"] > 0
+
+
+def test_chat_streaming_and_not(client):
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a function that adds two numbers."}],
+        max_tokens=32,
+        temperature=0.7,
+        seed=5,
+    )
+    resp = client.chat.completions.create(**kw)
+    text = resp.choices[0].message.content
+    assert resp.choices[0].message.role == "assistant" and resp.usage.completion_tokens > 0
+    stream = list(client.chat.completions.create(stream=True, **kw))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+
+
+def test_stop_string_truncates_and_finishes(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0)
+    text = base.choices[0].text
+    stop = text.strip()[5:8]
+    assert stop and stop in text
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0, stop=[stop]
+    )
+    assert resp.choices[0].text == text[: text.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_per_request_speculation_switch(client):
+    off = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"speculation": {"enabled": False}},
+    )
+    on = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"speculation": {"enabled": True, "num_speculative_tokens": 2}},
+    )
+    assert off.choices[0].text == on.choices[0].text
+    assert (
+        off.model_extra["speculation"]["drafted"] == 0
+        and not off.model_extra["speculation"]["enabled"]
+    )
+    assert on.model_extra["speculation"]["num_speculative_tokens"] == 2
+    assert on.model_extra["speculation"]["drafted"] > 0
+
+
+def test_both_replicas_answer(base_url):
+    seen = set()
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        for _ in range(30):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200
+            seen.add(r.headers["x-specserve-replica"])
+            if len(seen) == 2:
+                break
+    assert len(seen) == 2
+
+
+BAD_REQUESTS = [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "prompt": 42}, "prompt"),
+    ({"model": "gpt-9", "prompt": "hi"}, "model"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "word " * 3000, "max_tokens": 8}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": [999999]}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (
+        {"model": MODEL, "prompt": "hi", "speculation": {"num_speculative_tokens": 99}},
+        "speculation",
+    ),
+    ({"prompt": "hi"}, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_REQUESTS)
+def test_invalid_input_is_400_in_openai_shape(base_url, body, param):
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert param in (err["param"] or "") + err["message"]
+
+
+def test_malformed_json_and_oversized_body(base_url):
+    r = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b'{"model": ',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x" * 30_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(APIStatusError) as exc:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-3)
+    assert exc.value.status_code == 400
+
+
+def test_client_disconnect_frees_sequence(base_url):
+    def replica_health():
+        # The proxy balances /health too: ask until both replicas have answered.
+        states = {}
+        for _ in range(40):
+            r = httpx.get(f"{base_url}/health")
+            states[r.headers["x-specserve-replica"]] = r.json()
+            if len(states) == 2:
+                break
+        return list(states.values())
+
+    aborted_before = sum(s["aborted"] for s in replica_health())
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{base_url}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break  # leave after the first piece of text
+    deadline = time.monotonic() + 30
+    states = replica_health()
+    while time.monotonic() < deadline and (
+        any(s["running"] for s in states) or sum(s["aborted"] for s in states) <= aborted_before
+    ):
+        time.sleep(0.2)
+        states = replica_health()
+    assert all(s["running"] == 0 for s in states)
+    assert sum(s["aborted"] for s in states) == aborted_before + 1
+
+
+@pytest.fixture(scope="module")
+def secure_url(serve_http):
+    deploy(
+        "Secure",
+        "/secure",
+        engine=engine_args(draft=None, faults={"max_target_restarts": 0}),
+        api_key="sekret",
+    )
+    yield f"{serve_http}/secure"
+    serve.delete("Secure")
+
+
+def test_api_key_required_when_configured(secure_url):
+    assert httpx.get(f"{secure_url}/v1/models").status_code == 401
+    bad = httpx.get(f"{secure_url}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    ok = OpenAI(base_url=f"{secure_url}/v1", api_key="sekret", max_retries=0)
+    assert ok.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_dead_target_gives_503_not_500(secure_url):
+    headers = {"Authorization": "Bearer sekret"}
+    pid = serve.get_app_handle("Secure").health_info.remote().result()["target"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+    r = httpx.post(f"{secure_url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 503 and "target worker died" in r.json()["error"]["message"]
+    r = httpx.post(f"{secure_url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 503
+    assert httpx.get(f"{secure_url}/health").status_code == 503
+
+
+@pytest.fixture(scope="module")
+def api_schema(base_url):
+    return schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_openapi_schema_fuzz_finds_no_5xx(case):
+    case.call_and_validate(
+        timeout=60,
+        checks=[
+            schemathesis.checks.not_a_server_error,
+            schemathesis.checks.response_schema_conformance,
+        ],
+    )
