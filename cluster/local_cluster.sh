@@ -12,6 +12,7 @@ RAY=${RAY:-$(dirname "$0")/../.venv/bin/ray}
 PORT=${SPECSERVE_RAY_PORT:-6390}
 HEAD_CPUS=${SPECSERVE_HEAD_CPUS:-2}
 WORKER_CPUS=${SPECSERVE_WORKER_CPUS:-2}
+DASHBOARD_PORT=${SPECSERVE_DASHBOARD_PORT:-8265}  # `serve deploy -a http://127.0.0.1:PORT`
 TEMP_DIR=${SPECSERVE_RAY_TEMP_DIR:-/tmp/specserve-cluster}
 # Ray 2.60 enables token auth on `ray start`; clients (ray.init, `serve deploy`,
 # `serve status`) must run with RAY_AUTH_MODE=token too.
@@ -20,7 +21,8 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 case "${1:-}" in
   start)
     "$RAY" start --head --port="$PORT" --num-cpus="$HEAD_CPUS" \
-      --resources='{"draft": 4}' --include-dashboard=false --disable-usage-stats \
+      --resources='{"draft": 4}' --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" \
+      --disable-usage-stats \
       --temp-dir="$TEMP_DIR" >/dev/null
     # A second raylet on the same host is a second Ray node with its own node id.
     "$RAY" start --address="127.0.0.1:$PORT" --num-cpus="$WORKER_CPUS" \

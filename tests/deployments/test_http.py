@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -18,7 +20,7 @@ from deployments.config import AppConfig
 from specdec.generate import generate_autoregressive
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
-from tests.conftest import DEMO_DRAFT, DEMO_TARGET
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET, ROOT
 
 MODEL = "demo-target"
 PROMPT = "import os\n\ndef read_config(path):\n"
@@ -284,3 +286,25 @@ def test_openapi_schema_fuzz_finds_no_5xx(case):
             schemathesis.checks.response_schema_conformance,
         ],
     )
+
+
+def readme_block(kind: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    after = text.split(f"<!-- readme-test: {kind} -->", 1)[1]
+    return after.split("```", 2)[1].split("\n", 1)[1]
+
+
+def test_readme_curl_example(base_url):
+    script = readme_block("curl").replace("http://127.0.0.1:8000", base_url)
+    out = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    body = json.loads(out.stdout)
+    assert body["choices"][0]["text"] and body["speculation"]["num_speculative_tokens"] == 4
+
+
+def test_readme_openai_example(base_url):
+    code = readme_block("python").replace("http://127.0.0.1:8000", base_url)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "acceptance_rate" in out.stdout

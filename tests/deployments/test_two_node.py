@@ -1,12 +1,9 @@
 """On a two-node local cluster, draft and target land on different nodes and generate."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from specdec.generate import generate_autoregressive
 from specdec.runner import ModelRunner
@@ -15,29 +12,8 @@ from specdec.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def two_node_cluster(tmp_path):
-    env = {
-        **os.environ,
-        "RAY": str(Path(sys.executable).parent / "ray"),
-        "SPECSERVE_RAY_PORT": "6391",
-        "SPECSERVE_RAY_TEMP_DIR": f"/tmp/specserve-test-{os.getpid()}",
-        "SPECSERVE_HEAD_CPUS": "2",
-        "SPECSERVE_WORKER_CPUS": "2",
-        "RAY_AUTH_MODE": "token",
-    }
-    script = ROOT / "cluster" / "local_cluster.sh"
-    address = subprocess.run(
-        [str(script), "start"], env=env, check=True, capture_output=True, text=True, timeout=120
-    ).stdout.strip()
-    try:
-        yield address, env
-    finally:
-        subprocess.run([str(script), "stop"], env=env, timeout=60, check=False)
-
-
 def test_draft_and_target_on_different_nodes(two_node_cluster, tiny_target, tiny_draft):
-    address, env = two_node_cluster
+    address, env, _dashboard = two_node_cluster
     job = subprocess.run(
         [
             sys.executable,
