@@ -344,7 +344,14 @@ class SpecEngine:
         items = [
             (r.seq.seq_id, r.seq.prompt_token_ids, _params_dict(r.seq.params), True) for r in batch
         ]
-        firsts = await self._call_target("prefill", items)
+        try:
+            firsts = await self._call_target("prefill", items)
+        except Exception as exc:
+            # These requests are in neither queue now: fail them here, or they would hang.
+            error = exc if isinstance(exc, EngineError) else EngineError(f"prefill failed: {exc!r}")
+            for req in batch:
+                req.queue.put_nowait(error)
+            raise
         for req, tok in zip(batch, firsts, strict=True):
             self._commit(req, [tok])
             self._running.append(req)

@@ -149,3 +149,4 @@ class Health(BaseModel):
     draft_restarting: bool
     running: int
     waiting: int
+    aborted: int = Field(description="Requests whose client left before they finished.")

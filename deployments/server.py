@@ -101,7 +101,10 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
 
     @app.middleware("http")
     async def _limits_and_auth(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
+        path, root = request.url.path, request.scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted under a route prefix
+            path = path[len(root) :]
+        if path.startswith("/v1/"):
             if config.api_key:
                 auth = request.headers.get("authorization", "")
                 given = auth[7:] if auth.lower().startswith("bearer ") else ""
@@ -402,6 +405,7 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
             draft_restarting=h["draft_restarting"],
             running=h["running"],
             waiting=h["waiting"],
+            aborted=h["aborted"],
         )
         return JSONResponse(body.model_dump(), status_code=200 if body.status == "ok" else 503)
 
