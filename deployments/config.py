@@ -102,6 +102,12 @@ class SpeculationConfig(_Strict):
         le=8,
         description="Overlap mode: bonus-token candidates prepared when all drafts are accepted.",
     )
+    adaptive_overlap: bool = Field(
+        default=True,
+        description="Overlap mode: narrow or pause speculation when the measured costs say "
+        "it would outlast verification and cost more than it saves; False always "
+        "speculates at the configured width.",
+    )
     speculate_rejections: bool = Field(
         default=True,
         description="Overlap mode: also prepare drafts for a rejection at each draft position, "

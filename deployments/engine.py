@@ -106,6 +106,74 @@ class RoundTimings:
         return self.total_s - self.critical_compute_s
 
 
+class SpeculationBudget:
+    """Chooses how widely to speculate each round, from measured costs and hit rates.
+
+    Drafting ahead is free only while it finishes before the target does; with many
+    sequences the branches can outlast verification and slow every round. Levels, widest
+    first: (fanout, with rejection branches), (fanout, bonus only), (1, bonus only), and
+    off (None). The expected round time at a level is
+    ``max(T_verify, T_speculate) + (1 - hit rate) * T_draft`` (a miss drafts on the
+    critical path); the level with the smallest estimate is used. Estimates are moving
+    averages; a level unused for ``explore_every`` rounds is tried again so that the
+    estimates follow the load.
+    """
+
+    def __init__(self, spec, explore_every: int = 50, decay: float = 0.8):
+        levels = [(spec.speculation_fanout, True), (spec.speculation_fanout, False), (1, False)]
+        if not spec.speculate_rejections:
+            levels = levels[1:]
+        self.levels: list[tuple[int, bool] | None] = [*dict.fromkeys(levels), None]
+        self.adaptive = spec.adaptive_overlap
+        self.decay = decay
+        self.explore_every = explore_every
+        self.spec_s: dict = {}  # level -> seconds of speculation per round
+        self.hit: dict = {}  # level -> fraction of drafting rows served from the cache
+        self.verify_s: float | None = None
+        self.draft_s: float | None = None  # fresh drafting, per round with a miss
+        self.last_used: dict = {}
+        self.rounds = 0
+
+    def _avg(self, old: float | None, value: float) -> float:
+        return value if old is None else self.decay * old + (1 - self.decay) * value
+
+    def cost(self, level) -> float:
+        if level is None:
+            return self.verify_s + self.draft_s
+        spec = self.spec_s.get(level, 0.0)
+        return max(self.verify_s, spec) + (1 - self.hit.get(level, 1.0)) * self.draft_s
+
+    def next_level(self) -> tuple[int, bool] | None:
+        self.rounds += 1
+        if not self.adaptive:
+            return self.levels[0]
+        stale = [
+            lv
+            for lv in self.levels
+            if self.rounds - self.last_used.get(lv, -(10**9)) > self.explore_every
+        ]
+        if stale:
+            level = stale[0]
+        elif self.verify_s is None or self.draft_s is None:
+            level = self.levels[0]
+        else:
+            level = min(self.levels, key=self.cost)
+        self.last_used[level] = self.rounds
+        return level
+
+    def observe_round(self, verify_s: float, speculate_s: float | None, level) -> None:
+        self.verify_s = self._avg(self.verify_s, verify_s)
+        if level is not None and speculate_s is not None:
+            self.spec_s[level] = self._avg(self.spec_s.get(level), speculate_s)
+
+    def observe_proposals(self, level, hits: int, rows: int, draft_s: float) -> None:
+        """How the proposals prepared by the previous round's speculation (at ``level``) did."""
+        if rows and level is not None:
+            self.hit[level] = self._avg(self.hit.get(level), hits / rows)
+        if hits < rows:
+            self.draft_s = self._avg(self.draft_s, draft_s)
+
+
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
     return asdict(params)
 
@@ -133,6 +201,9 @@ class SpecEngine:
         self._fatal: str | None = None
         self.aborted = 0  # requests whose client went away before they finished
         self.timings = RoundTimings()
+        self.speculation_budget = SpeculationBudget(config.speculation)
+        self._spec_level: tuple[int, bool] | None = None  # level of the last speculation
+        self.speculation_budget = SpeculationBudget(config.speculation)
 
     # ----- workers ----------------------------------------------------------------------
 
@@ -379,6 +450,11 @@ class SpecEngine:
             proposed = await self._call_draft("propose", items)
             if proposed is not None:
                 drafts, draft_compute = proposed
+                rows = sum(1 for d in drafts if d[0])
+                hits = sum(1 for d in drafts if d[2])
+                self.speculation_budget.observe_proposals(
+                    self._spec_level, hits, rows, draft_compute
+                )
             else:
                 ks = [0] * len(reqs)
         t1 = time.perf_counter()
@@ -387,9 +463,15 @@ class SpecEngine:
             for r, d in zip(reqs, drafts, strict=True)
         ]
         speculate = None
-        if self.config.speculation.mode == "overlap" and any(ks) and self.draft is not None:
+        overlap = self.config.speculation.mode == "overlap" and self.draft is not None
+        level = self.speculation_budget.next_level() if overlap and any(ks) else None
+        self._spec_level = level
+        if level is not None:
             spec_items = [(r.seq.seq_id, k) for r, k in zip(reqs, ks, strict=True) if k > 0]
-            speculate = asyncio.ensure_future(self._call_draft("speculate", spec_items))
+            fanout, rejections = level
+            speculate = asyncio.ensure_future(
+                self._call_draft("speculate", spec_items, fanout, rejections)
+            )
         verified = await self._call_target("verify", verify_items)
         if speculate is not None:
             speculated = await speculate
@@ -399,6 +481,8 @@ class SpecEngine:
         if verified is None:  # the target was replaced; sequences were re-prefilled
             return
         results, verify_compute = verified
+        if overlap and any(ks):
+            self.speculation_budget.observe_round(verify_compute, spec_compute, level)
         for req, (tokens, accepted), d in zip(reqs, results, drafts, strict=True):
             if d[0]:
                 req.stats.drafted += len(d[0])

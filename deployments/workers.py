@@ -197,11 +197,14 @@ class DraftWorker:
         out = [(r.tokens, None if r.probs is None else r.probs.numpy(), r.hit) for r in results]
         return out, time.perf_counter() - t0
 
-    def speculate(self, items: list[tuple[Hashable, int]]) -> tuple[int, float]:
+    def speculate(
+        self, items: list[tuple[Hashable, int]], fanout: int, rejections: bool
+    ) -> tuple[int, float]:
         """Draft ahead for the outcomes of the last proposals; returns (branches, seconds)."""
         t0 = time.perf_counter()
         states = [self.seqs[sid] for sid, _ in items]
-        return self.drafter.speculate(states, [k for _, k in items]), time.perf_counter() - t0
+        branches = self.drafter.speculate(states, [k for _, k in items], fanout, rejections)
+        return branches, time.perf_counter() - t0
 
     def free(self, seq_ids: list[Hashable]) -> None:
         for sid in seq_ids:

@@ -122,12 +122,22 @@ class SpeculativeDrafter:
             hit=True,
         )
 
-    def speculate(self, seqs: Sequence[SequenceState], ks: Sequence[int]) -> int:
+    def speculate(
+        self,
+        seqs: Sequence[SequenceState],
+        ks: Sequence[int],
+        fanout: int | None = None,
+        rejections: bool | None = None,
+    ) -> int:
         """Prepare next-round drafts for the likely outcomes of the drafts just proposed.
 
         Call after :meth:`propose` for the same sequences (with their committed tokens
-        unchanged). Returns the number of branches prepared.
+        unchanged). ``fanout`` and ``rejections`` override the defaults for this call (the
+        engine narrows them when speculation would outlast verification). Returns the
+        number of branches prepared.
         """
+        fanout = self.fanout if fanout is None else fanout
+        rejections = self.rejections if rejections is None else rejections
         branch_states: list[SequenceState] = []
         parents: list[Hashable] = []
         look_ahead = []
@@ -151,9 +161,9 @@ class SpeculativeDrafter:
         bonus_logits = self.proposer.extend(heads)  # [batch, vocab]
         for row, (seq, last, _k) in enumerate(look_ahead):
             guesses: list[list[int]] = [
-                [*last.tokens, int(b)] for b in bonus_logits[row].topk(self.fanout).indices
+                [*last.tokens, int(b)] for b in bonus_logits[row].topk(fanout).indices
             ]
-            if self.rejections:
+            if rejections:
                 for j, tok in enumerate(last.tokens):
                     alt = last.logits[j].clone()
                     alt[tok] = float("-inf")

@@ -67,7 +67,8 @@ async def with_engine(cfg, body):
 def test_greedy_through_engine_equals_target_only(
     ray_local, tiny_target, tiny_draft, reference, mode
 ):
-    cfg = config(tiny_target, tiny_draft, speculation={"mode": mode, "num_speculative_tokens": 3})
+    spec = {"mode": mode, "num_speculative_tokens": 3, "adaptive_overlap": False}
+    cfg = config(tiny_target, tiny_draft, speculation=spec)
 
     async def body(engine):
         # 8 requests, at most 4 running at once: the rest join between rounds.
@@ -98,7 +99,12 @@ def test_sampling_through_overlap_engine_follows_target(ray_local, tiny_target, 
         tiny_target,
         tiny_draft,
         scheduler={"max_num_seqs": 16, "max_waiting": 1000},
-        speculation={"mode": "overlap", "num_speculative_tokens": 1, "speculation_fanout": 2},
+        speculation={
+            "mode": "overlap",
+            "num_speculative_tokens": 1,
+            "speculation_fanout": 2,
+            "adaptive_overlap": False,  # tiny models: keep speculating so hits happen
+        },
     )
     # 8 tokens are generated (so later rounds can hit the cache); the law of the first 4
     # is checked.
