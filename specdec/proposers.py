@@ -107,7 +107,7 @@ class DraftModelProposer(Proposer):
         batch = len(seqs)
         ids = [s.seq_id for s in seqs]
         params = [s.params for s in seqs]
-        gens = [s.draft_generator for s in seqs]
+        start = [len(s.token_ids) for s in seqs]  # absolute index of each row's first draft
         vocab = self.runner.vocab_size
         draft = torch.zeros(batch, k, dtype=torch.long)
         probs = torch.zeros(batch, k, vocab)
@@ -117,6 +117,7 @@ class DraftModelProposer(Proposer):
             logits = self.runner.forward(ids, feed)  # per row: [len(feed[row]), vocab]
             raw[:, i] = torch.stack([lg[-1] for lg in logits])  # [batch, vocab]
             q = probs_for(params, raw[:, i])
+            gens = [s.draft_generator_at(start[row] + i) for row, s in enumerate(seqs)]
             tokens = sample(q, gens)  # [batch]
             draft[:, i] = tokens
             probs[:, i] = q

@@ -59,8 +59,9 @@ def rejection_sample(
     generators:       batch entries; per-request generators (None: the global RNG)
     proposal:         "probs" (full q), "point_mass" (q = δ_x), "uniform" (q = 1/vocab)
 
-    Each stochastic row draws exactly ``k`` uniforms and then one categorical sample from
-    its own generator, so a seeded request is reproducible whatever else is in the batch.
+    Each seeded row draws exactly ``num_draft_tokens[row]`` uniforms and then one
+    categorical sample from its own generator, so a seeded request is reproducible
+    whatever else is in the batch.
     """
     batch, k = draft_token_ids.shape
     vocab = target_probs.shape[-1]
@@ -101,7 +102,8 @@ def rejection_sample(
     if k > 0:
         uniforms[unseeded] = torch.rand(int(unseeded.sum()), k, device=device)
         for row in seeded:
-            uniforms[row] = torch.rand(k, generator=generators[row], device=device)
+            n = int(num_draft_tokens[row])
+            uniforms[row, :n] = torch.rand(n, generator=generators[row], device=device)
     stochastic_accept = uniforms * q_x < p_x
     greedy_accept = safe_draft == target_probs[:, :k].argmax(dim=-1)
     accept = torch.where(is_greedy[:, None], greedy_accept, stochastic_accept) & valid

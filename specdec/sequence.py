@@ -28,16 +28,26 @@ class SequenceState:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    draft_generator: torch.Generator | None = None
     verify_generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        if self.draft_generator is None:
-            self.draft_generator = self.params.make_generator(offset=DRAFT_STREAM)
         if self.verify_generator is None:
             self.verify_generator = self.params.make_generator(offset=VERIFY_STREAM)
+
+    def draft_generator_at(self, position: int) -> torch.Generator | None:
+        """The generator for drafting the token at absolute index ``position`` (None: global RNG).
+
+        Seeding each drafted position separately makes a seeded request reproducible
+        however its drafts were produced (fresh, or prepared ahead in a speculation-cache
+        branch): a draft at a position is a function of its prefix and the seed only. It
+        stays exact: a position is re-drafted only after the earlier draft there went
+        unverified, so no verified draft ever reuses randomness that influenced anything.
+        """
+        if self.params.seed is None:
+            return None
+        return self.params.make_generator(offset=DRAFT_STREAM + 16 * (position + 1))
 
     @property
     def token_ids(self) -> list[int]:

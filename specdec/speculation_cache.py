@@ -150,12 +150,7 @@ class SpeculativeDrafter:
             return 0
         # The draft's distribution one past its drafts: candidates for the bonus token.
         heads = [
-            SequenceState(
-                seq.seq_id,
-                seq.token_ids + last.tokens,
-                seq.params,
-                draft_generator=seq.draft_generator,
-            )
+            SequenceState(seq.seq_id, seq.token_ids + last.tokens, seq.params)
             for seq, last, _ in look_ahead
         ]
         bonus_logits = self.proposer.extend(heads)  # [batch, vocab]
@@ -171,11 +166,7 @@ class SpeculativeDrafter:
             for g, ext in enumerate(guesses):
                 bid = (seq.seq_id, "branch", g)
                 self.proposer.fork(seq.seq_id, bid)
-                branch_states.append(
-                    SequenceState(
-                        bid, seq.token_ids + ext, seq.params, draft_generator=seq.draft_generator
-                    )
-                )
+                branch_states.append(SequenceState(bid, seq.token_ids + ext, seq.params))
                 parents.append(seq.seq_id)
         k = max(k for _, _, k in look_ahead)
         prop = self.proposer.propose(branch_states, k)

@@ -10,7 +10,8 @@ from scipy.stats import chisquare
 
 from deployments.config import EngineConfig
 from deployments.engine import EngineError, SpecEngine
-from specdec.generate import generate_autoregressive
+from specdec.generate import generate_autoregressive, generate_speculative
+from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for
 
@@ -61,6 +62,37 @@ async def with_engine(cfg, body):
         return await body(engine)
     finally:
         await engine.shutdown()
+
+
+def seeded(i):
+    return SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(tiny_target, tiny_draft):
+    """Seeded sampling in one process with k=3: the engine must reproduce it exactly."""
+    target, draft = ModelRunner(tiny_target), DraftModelProposer(ModelRunner(tiny_draft))
+    return [
+        generate_speculative(target, draft, p, seeded(i), 3).token_ids
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlap"])
+def test_seeded_sampling_is_reproducible_whatever_the_cache_did(
+    ray_local, tiny_target, tiny_draft, seeded_reference, mode
+):
+    """Drafts are seeded per position, so hits and misses yield the same tokens."""
+    spec = {"mode": mode, "num_speculative_tokens": 3, "adaptive_overlap": False}
+    cfg = config(tiny_target, tiny_draft, speculation=spec)
+
+    async def body(engine):
+        return await asyncio.gather(*[collect(engine, p, seeded(i)) for i, p in enumerate(PROMPTS)])
+
+    results = asyncio.run(with_engine(cfg, body))
+    assert [tokens for tokens, _ in results] == seeded_reference
+    if mode == "overlap":
+        assert sum(last.stats.cache_hits for _, last in results) > 0
 
 
 @pytest.mark.parametrize("mode", ["sequential", "overlap"])
