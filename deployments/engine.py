@@ -81,6 +81,10 @@ class _Request:
     queue: asyncio.Queue
     stats: RequestStats = field(default_factory=RequestStats)
     aborted: bool = False
+    params_dict: dict[str, Any] = field(init=False)  # what workers receive
+
+    def __post_init__(self) -> None:
+        self.params_dict = asdict(self.seq.params)  # once, not every round
 
 
 @dataclass
@@ -172,10 +176,6 @@ class SpeculationBudget:
             self.hit[level] = self._avg(self.hit.get(level), hits / rows)
         if hits < rows:
             self.draft_s = self._avg(self.draft_s, draft_s)
-
-
-def _params_dict(params: SamplingParams) -> dict[str, Any]:
-    return asdict(params)
 
 
 class SpecEngine:
@@ -412,9 +412,7 @@ class SpecEngine:
                 batch.append(req)
         if not batch:
             return
-        items = [
-            (r.seq.seq_id, r.seq.prompt_token_ids, _params_dict(r.seq.params), True) for r in batch
-        ]
+        items = [(r.seq.seq_id, r.seq.prompt_token_ids, r.params_dict, True) for r in batch]
         try:
             firsts = await self._call_target("prefill", items)
         except Exception as exc:
@@ -444,7 +442,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         if any(ks):
             items = [
-                (r.seq.seq_id, r.seq.token_ids, _params_dict(r.seq.params), k)
+                (r.seq.seq_id, r.seq.token_ids, r.params_dict, k)
                 for r, k in zip(reqs, ks, strict=True)
             ]
             proposed = await self._call_draft("propose", items)
@@ -563,10 +561,7 @@ class SpecEngine:
                 live = [r for r in self._running if not (r.seq.finished or r.aborted)]
                 if live:
                     await self.target.prefill.remote(
-                        [
-                            (r.seq.seq_id, r.seq.token_ids, _params_dict(r.seq.params), False)
-                            for r in live
-                        ]
+                        [(r.seq.seq_id, r.seq.token_ids, r.params_dict, False) for r in live]
                     )
                 logger.info("target worker replaced (%d restarts)", self._target_restarts)
                 return
