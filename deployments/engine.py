@@ -457,7 +457,7 @@ class SpecEngine:
                 ks = [0] * len(reqs)
         t1 = time.perf_counter()
         verify_items = [
-            (r.seq.seq_id, r.seq.token_ids[-1], d[0], d[1])
+            (r.seq.seq_id, r.seq.last_token_id, d[0], d[1])
             for r, d in zip(reqs, drafts, strict=True)
         ]
         speculate = None

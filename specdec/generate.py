@@ -77,7 +77,7 @@ def generate_autoregressive(
     seq = SequenceState(seq_id, list(prompt_token_ids), params)
     _start(target, seq, eos_token_id)
     while not seq.finished:
-        logits = target.forward([seq_id], [[seq.token_ids[-1]]])[0]  # [1, vocab]
+        logits = target.forward([seq_id], [[seq.last_token_id]])[0]  # [1, vocab]
         token = sample(probs_for([params], logits), [seq.verify_generator])
         seq.append([int(token[0])], eos_token_id)
     target.free(seq_id)
@@ -104,7 +104,7 @@ def generate_speculative(
         n = int(proposal.num_draft_tokens[0])
         drafts = proposal.draft_token_ids[0, :n].tolist()
         cached = target.length(seq_id)
-        logits = target.forward([seq_id], [[seq.token_ids[-1], *drafts]])[0]  # [n + 1, vocab]
+        logits = target.forward([seq_id], [[seq.last_token_id, *drafts]])[0]  # [n + 1, vocab]
         p = probs_for([params], logits[None])  # [1, n + 1, vocab]
         q = proposal.draft_probs[:, :n] if proposal.draft_probs is not None else None
         out = rejection_sample(

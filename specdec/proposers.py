@@ -71,9 +71,6 @@ class DraftModelProposer(Proposer):
         self.runner.rename(old, new)
         self._cached[new] = self._cached.pop(old)
 
-    def has(self, seq_id: Hashable) -> bool:
-        return seq_id in self._cached
-
     def extend(self, seqs: Sequence[SequenceState]) -> torch.Tensor:
         """Feed each sequence's unfed committed tokens; returns raw next-token logits.
 

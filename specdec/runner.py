@@ -67,9 +67,6 @@ class ModelRunner:
     def num_seqs(self) -> int:
         return len(self._slot)
 
-    def has(self, seq_id: Hashable) -> bool:
-        return seq_id in self._slot
-
     def add(self, seq_id: Hashable) -> None:
         """Register a new, empty sequence."""
         if seq_id in self._slot:

@@ -54,6 +54,11 @@ class SequenceState:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token_id(self) -> int:
+        """The newest committed token, without building the whole token list."""
+        return (self.output_token_ids or self.prompt_token_ids)[-1]
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.proposers import DraftModelProposer, Proposal
+from specdec.proposers import DraftModelProposer
 from specdec.sequence import SequenceState
 
 
@@ -181,27 +181,3 @@ class SpeculativeDrafter:
                 )
             )
         return len(branch_states)
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-
-def as_proposal(results: Sequence[DraftResult], vocab: int) -> Proposal:
-    """Pack per-sequence drafts into the batched tensors the rejection sampler takes."""
-    batch = len(results)
-    k = max((len(r.tokens) for r in results), default=0)
-    draft = torch.zeros(batch, k, dtype=torch.long)
-    probs = torch.zeros(batch, k, vocab)
-    counts = torch.zeros(batch, dtype=torch.long)
-    for i, r in enumerate(results):
-        n = len(r.tokens)
-        counts[i] = n
-        if n:
-            draft[i, :n] = torch.tensor(r.tokens)
-            if r.probs is not None:
-                probs[i, :n] = r.probs
-            else:  # greedy row: q is the point mass at the draft's argmax
-                probs[i, :n] = torch.nn.functional.one_hot(draft[i, :n], vocab).float()
-    return Proposal(draft, counts, probs, "probs")
