@@ -93,9 +93,9 @@ class SpecServeDeployment:
             "draft": self.engine.draft_info,
         }
 
-    async def timings(self) -> dict[str, Any]:
-        t = self.engine.timings
-        return {**asdict(t), "overhead_s": t.overhead_s}
+    async def timings(self, reset: bool = False) -> dict[str, Any]:
+        """The engine core's per-round split (verify, draft waits, overhead)."""
+        return await self.engine.round_timings(reset)
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose target cannot be restarted is unhealthy."""

@@ -96,22 +96,19 @@ class SpeculationConfig(_Strict):
         description="'sequential': draft, then verify. 'overlap': the draft prepares the next "
         "round's drafts for the expected verification outcomes while the target verifies.",
     )
-    speculation_fanout: int = Field(
-        default=2,
-        ge=1,
-        le=8,
-        description="Overlap mode: bonus-token candidates prepared when all drafts are accepted.",
+    speculation_width: int = Field(
+        default=4,
+        ge=0,
+        le=16,
+        description="Overlap mode: verification outcomes prepared per sequence while the target "
+        "verifies (all accepted + a bonus token, or a rejection + a recovered token), "
+        "likeliest first by the draft's own probabilities and measured acceptance.",
     )
     adaptive_overlap: bool = Field(
         default=True,
-        description="Overlap mode: narrow or pause speculation when the measured costs say "
-        "it would outlast verification and cost more than it saves; False always "
-        "speculates at the configured width.",
-    )
-    speculate_rejections: bool = Field(
-        default=True,
-        description="Overlap mode: also prepare drafts for a rejection at each draft position, "
-        "guessing the recovered token as the draft's best alternative.",
+        description="Overlap mode: narrow speculation when it is cut short by verification "
+        "ending, widen it while it finishes early, and pause it (re-probing) while its hit "
+        "rate is too low to pay; False always speculates at speculation_width.",
     )
 
 
@@ -136,6 +133,12 @@ class FaultConfig(_Strict):
     )
     max_target_restarts: int = Field(
         default=2, ge=0, description="Target replacements per engine before requests fail."
+    )
+    draft_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long the engine core waits for a round's drafts before verifying "
+        "that round without them (a hung draft never stalls the target).",
     )
 
 

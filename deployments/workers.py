@@ -1,28 +1,30 @@
-"""Worker actors: the target (verification) and the draft (proposals + speculation cache).
+"""Worker-side pieces: loading a model runner, and the draft actor with its own loop.
 
-Workers own models and KV caches; the engine owns scheduling. Calls carry token ids as
-Python lists and draft probabilities as float32 numpy arrays (only for sampled requests;
-greedy verification needs no ``q``), never logits of the target.
+The target side is :class:`deployments.core.EngineCore`. Token ids travel as Python lists
+and draft probabilities as float32 numpy arrays (only for sampled requests; greedy
+verification needs no ``q``), never logits of the target.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, ClassVar
 
-import numpy as np
 import ray
 import torch
 
 from deployments.config import ModelSpec
+from specdec.policy import SpeculationWidth
 from specdec.proposers import DraftModelProposer
-from specdec.rejection import rejection_sample
 from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams, probs_for, sample
-from specdec.sequence import SequenceState
-from specdec.speculation_cache import SpeculativeDrafter
+from specdec.sampling import SamplingParams
+from specdec.speculation_cache import Drafts, SpeculativeDrafter
+
+logger = logging.getLogger("specserve.workers")
 
 
 def _device(spec: ModelSpec) -> str:
@@ -31,7 +33,15 @@ def _device(spec: ModelSpec) -> str:
     return "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
 
 
-def _load(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
+def configure_thread(spec: ModelSpec) -> None:
+    """Per-thread torch settings: OpenMP's thread count and grad mode are per thread, so a
+    loop thread must set them itself (else it runs with one OpenMP thread per core)."""
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    torch.set_grad_enabled(False)
+
+
+def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     return ModelRunner(
@@ -44,7 +54,7 @@ def _load(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
     )
 
 
-def _info(runner: ModelRunner) -> dict[str, Any]:
+def worker_info(runner: ModelRunner) -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     pg = ctx.get_placement_group_id()
     return {
@@ -57,159 +67,140 @@ def _info(runner: ModelRunner) -> dict[str, Any]:
     }
 
 
-class TargetWorker:
-    """Prefills requests and verifies drafts with the target model.
-
-    Its KV cache holds every committed token of a sequence except the newest, which is
-    the first input of the next verify pass; so plain decoding is verify with no drafts.
-    """
-
-    def __init__(self, spec: dict, max_num_seqs: int):
-        self.spec = ModelSpec.model_validate(spec)
-        self.runner = _load(self.spec, max_num_seqs)
-        self.seqs: dict[Hashable, SequenceState] = {}
-
-    def ready(self) -> dict[str, Any]:
-        return _info(self.runner)
-
-    def prefill(self, items: list[tuple[Hashable, list[int], dict, bool]]) -> list[int | None]:
-        """Start sequences: ``(seq_id, token_ids, sampling params, sample_first)``.
-
-        A new request passes its prompt and ``sample_first=True`` and gets its first token.
-        A request resumed after a failure passes all committed tokens and
-        ``sample_first=False``: everything but the newest token is cached, nothing sampled.
-        """
-        ids, feeds, out = [], [], []
-        for seq_id, tokens, params, sample_first in items:
-            if seq_id in self.seqs:
-                self.free([seq_id])
-            state = SequenceState(seq_id, list(tokens), SamplingParams(**params))
-            self.seqs[seq_id] = state
-            self.runner.add(seq_id)
-            ids.append(seq_id)
-            feeds.append(tokens if sample_first else tokens[:-1])
-        to_run = [(i, f) for i, f in zip(ids, feeds, strict=True) if f]
-        logits = self.runner.forward([i for i, _ in to_run], [f for _, f in to_run])
-        last = {i: lg[-1] for (i, _), lg in zip(to_run, logits, strict=True)}
-        for seq_id, _tokens, _params, sample_first in items:
-            if not sample_first:
-                out.append(None)
-                continue
-            state = self.seqs[seq_id]
-            probs = probs_for([state.params], last[seq_id][None])
-            out.append(int(sample(probs, [state.verify_generator])[0]))
-        return out
-
-    def verify(
-        self, items: list[tuple[Hashable, int, list[int], np.ndarray | None]]
-    ) -> tuple[list[tuple[list[int], int]], float]:
-        """Verify ``(seq_id, newest committed token, draft tokens, draft q or None)``.
-
-        Returns per sequence the tokens it commits this round and how many drafts were
-        accepted (rows with no drafts are plain decode steps in the same batched pass),
-        and the seconds this worker computed, so the engine can tell transport from work.
-        """
-        t0 = time.perf_counter()
-        ids = [it[0] for it in items]
-        cached = [self.runner.length(i) for i in ids]
-        logits = self.runner.forward(ids, [[it[1], *it[2]] for it in items])
-        batch, k = len(items), max(len(it[2]) for it in items)
-        vocab = self.runner.vocab_size
-        target_logits = torch.zeros(batch, k + 1, vocab)
-        draft_ids = torch.zeros(batch, k, dtype=torch.long)
-        draft_probs = torch.zeros(batch, k, vocab)
-        counts = torch.zeros(batch, dtype=torch.long)
-        for row, (_sid, _last, drafts, q) in enumerate(items):
-            n = len(drafts)
-            target_logits[row, : n + 1] = logits[row]
-            counts[row] = n
-            if n:
-                draft_ids[row, :n] = torch.tensor(drafts)
-                if q is not None:
-                    draft_probs[row, :n] = torch.from_numpy(q)
-                else:  # greedy: q is the point mass at the draft's choice
-                    draft_probs[row, :n] = torch.nn.functional.one_hot(draft_ids[row, :n], vocab)
-        states = [self.seqs[i] for i in ids]
-        p = probs_for([s.params for s in states], target_logits)  # [batch, k + 1, vocab]
-        out = rejection_sample(
-            draft_ids,
-            counts,
-            p,
-            draft_probs,
-            torch.tensor([s.params.is_greedy for s in states]),
-            [s.verify_generator for s in states],
-        )
-        results = []
-        for row, sid in enumerate(ids):
-            a = int(out.num_accepted[row])
-            self.runner.rollback(sid, cached[row] + 1 + a)
-            results.append((out.tokens(row), a))
-        return results, time.perf_counter() - t0
-
-    def free(self, seq_ids: list[Hashable]) -> None:
-        for sid in seq_ids:
-            if self.seqs.pop(sid, None) is not None:
-                self.runner.free(sid)
-
-    def num_seqs(self) -> int:
-        return self.runner.num_seqs
+def _push_item(seq_id: Hashable, guess: tuple, drafts: Drafts) -> tuple:
+    q = None if drafts.probs is None else drafts.probs.float().cpu().numpy()
+    return (seq_id, tuple(guess), drafts.tokens, q, drafts.speculative)
 
 
 class DraftWorker:
-    """Proposes drafts and, in overlap mode, drafts ahead while the target verifies.
+    """Drafts for the engine core and, in overlap mode, drafts ahead while it verifies.
 
-    Calls are self-contained (each names the sequence's committed tokens and sampling
-    params), so a replacement draft needs no state transfer: it rebuilds its cache lazily.
+    Messages from the core (:meth:`on_round`) are queued and handled in order by a loop
+    thread: first the rows whose drafts were not prepared ahead are drafted and pushed
+    (the core may be waiting for them), then the likeliest outcomes of the round now
+    being verified are drafted and pushed. A newer message stops that speculation at the
+    next draft step: once the outcome is known, unfinished branches are worthless.
     """
 
-    def __init__(self, spec: dict, max_num_seqs: int, fanout: int, rejections: bool, max_k: int):
+    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1}
+
+    def __init__(
+        self, spec: dict, max_num_seqs: int, width: int, overlap: bool, adaptive: bool = True
+    ):
         self.spec = ModelSpec.model_validate(spec)
         # Branches of the speculation cache are sequences too.
-        capacity = max_num_seqs * (2 + fanout + (max_k if rejections else 0))
-        self.runner = _load(self.spec, capacity)
-        self.drafter = SpeculativeDrafter(DraftModelProposer(self.runner), fanout, rejections)
-        self.seqs: dict[Hashable, SequenceState] = {}
+        self.runner = load_runner(self.spec, max_num_seqs * (1 + width))
+        self.drafter = SpeculativeDrafter(DraftModelProposer(self.runner))
+        self.overlap = overlap and width > 0
+        self.width = SpeculationWidth(width, adaptive=adaptive)
+        self._cv = threading.Condition()
+        self._inbox: dict[int, tuple] = {}
+        self._next_no: int | None = None
+        self._core = None
+        self._stop_event = threading.Event()
+        self.speculated = 0  # branches prepared
+        self.error: str | None = None
+        threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
 
+    @ray.method(concurrency_group="io")
     def ready(self) -> dict[str, Any]:
-        return _info(self.runner)
+        return worker_info(self.runner)
 
-    def _state(self, seq_id: Hashable, tokens: list[int], params: dict) -> SequenceState:
-        state = self.seqs.get(seq_id)
-        if state is None:
-            state = self.seqs[seq_id] = SequenceState(
-                seq_id, list(tokens), SamplingParams(**params)
-            )
-        else:
-            state.prompt_token_ids = list(tokens)
-        return state
+    @ray.method(concurrency_group="io")
+    def set_core(self, core) -> None:
+        with self._cv:
+            self._core = core
 
-    def propose(
-        self, items: list[tuple[Hashable, list[int], dict, int]]
-    ) -> tuple[list[tuple[list[int], np.ndarray | None, bool]], float]:
-        """``(seq_id, committed tokens, params, k)`` -> ``(drafts, q or None, hit)``.
+    @ray.method(concurrency_group="io")
+    def on_round(self, msg_no: int, first: bool, *payload) -> None:
+        """A round's outcomes from the core (see :mod:`deployments.core` for the format)."""
+        with self._cv:
+            if first:  # a new core (or this draft is new to it): start from this message
+                self._inbox = {no: m for no, m in self._inbox.items() if no > msg_no}
+                self._next_no = msg_no
+            elif self._next_no is not None and msg_no < self._next_no:
+                return  # from a core that has been replaced
+            self._inbox[msg_no] = (first, *payload)
+            self._cv.notify_all()
 
-        ``q`` travels as float32: rounding it would make acceptance tests use a slightly
-        different distribution than the one the drafts were sampled from.
-        """
-        t0 = time.perf_counter()
-        states = [self._state(sid, toks, params) for sid, toks, params, _ in items]
-        results = self.drafter.propose(states, [it[3] for it in items])
-        out = [(r.tokens, None if r.probs is None else r.probs.numpy(), r.hit) for r in results]
-        return out, time.perf_counter() - t0
-
-    def speculate(
-        self, items: list[tuple[Hashable, int]], fanout: int, rejections: bool
-    ) -> tuple[int, float]:
-        """Draft ahead for the outcomes of the last proposals; returns (branches, seconds)."""
-        t0 = time.perf_counter()
-        states = [self.seqs[sid] for sid, _ in items]
-        branches = self.drafter.speculate(states, [k for _, k in items], fanout, rejections)
-        return branches, time.perf_counter() - t0
-
-    def free(self, seq_ids: list[Hashable]) -> None:
-        for sid in seq_ids:
-            if self.seqs.pop(sid, None) is not None:
-                self.drafter.free(sid)
-
+    @ray.method(concurrency_group="io")
     def stats(self) -> dict[str, Any]:
-        return {"hits": self.drafter.hits, "misses": self.drafter.misses, "seqs": len(self.seqs)}
+        return {
+            "hits": self.drafter.hits,
+            "misses": self.drafter.misses,
+            "seqs": len(self.drafter.seqs),
+            "speculated": self.speculated,
+            "width": self.width.width,
+            "acceptance": self.drafter.acceptance,
+            "error": self.error,
+        }
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> str | None:
+        """Returns only if the loop thread failed; the caller learns of death by an error."""
+        self._stop_event.wait()
+        return self.error
+
+    # ----- the loop -------------------------------------------------------------------------
+
+    def _has_next(self) -> bool:
+        return self._next_no is not None and self._next_no in self._inbox
+
+    def _loop_guarded(self) -> None:
+        configure_thread(self.spec)
+        try:
+            while True:
+                with self._cv:
+                    while not self._has_next():
+                        self._cv.wait()
+                    msg = self._inbox.pop(self._next_no)
+                    self._next_no += 1
+                    core = self._core
+                self._handle(core, *msg)
+        except Exception as exc:
+            logger.exception("draft loop failed")
+            self.error = f"draft loop failure: {exc!r}"
+            self._stop_event.set()
+
+    def _handle(self, core, first, round_for, items, freed, verify_s) -> None:
+        drafter = self.drafter
+        if first:
+            for sid in list(drafter.seqs):
+                drafter.free(sid)
+        for sid in freed:
+            drafter.free(sid)
+        ids, ks, guesses, lost = [], [], {}, []
+        for sid, base_len, new_tokens, k, full, params in items:
+            if full is not None:
+                drafter.add(sid, full, SamplingParams(**params))
+            elif drafter.length(sid) != base_len:
+                lost.append((sid, None, None, None, False))
+                continue
+            else:
+                drafter.commit(sid, new_tokens)
+            if k > 0:
+                ids.append(sid)
+                ks.append(k)
+                guesses[sid] = tuple(new_tokens)
+        results = drafter.propose(ids, ks)
+        pushes = [
+            _push_item(sid, guesses[sid], d)
+            for sid, d in zip(ids, results, strict=True)
+            if not d.speculative
+        ]
+        self.width.observe_hits(sum(d.speculative for d in results), len(results))
+        if (pushes or lost) and core is not None:
+            core.push_drafts.remote(round_for, pushes + lost)
+        if not self.overlap or not ids or core is None:
+            return
+        budget = self.width.budget(len(ids))
+        if not budget:
+            return
+        t0 = time.perf_counter()
+        branches = drafter.speculate(ids, budget, should_stop=self._has_next)
+        self.width.observe_speculation(time.perf_counter() - t0, verify_s, branches is None)
+        if branches:
+            self.speculated += len(branches)
+            core.push_drafts.remote(
+                round_for + 1, [_push_item(br.seq_id, br.guess, br.drafts) for br in branches]
+            )

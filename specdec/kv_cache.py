@@ -27,6 +27,7 @@ class BatchLayout:
     write_positions: torch.Tensor  # [batch, n] int64 cache positions of the new tokens
     kv_len: int  # keys/values returned to attention: positions [0, kv_len)
     contiguous_from: int | None  # first slot if slots == range(first, first + batch)
+    write_start: int | None = None  # every row writes at [write_start, write_start + n)
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -62,11 +63,21 @@ class _SlotLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._fit()
         layout = self.owner.layout
-        rows = layout.slots[:, None]  # [batch, 1] broadcasts against [batch, n]
-        pos = layout.write_positions
-        # Advanced indices around a slice put the indexed dims first: [batch, n, heads, dim].
-        self.keys[rows, :, pos] = key_states.transpose(1, 2)
-        self.values[rows, :, pos] = value_states.transpose(1, 2)
+        if layout.write_start is not None:
+            # Every row writes the same positions: a slice, no scatter.
+            span = slice(layout.write_start, layout.write_start + key_states.shape[2])
+            if layout.contiguous_from is not None:
+                rows = slice(layout.contiguous_from, layout.contiguous_from + key_states.shape[0])
+            else:
+                rows = layout.slots
+            self.keys[rows, :, span] = key_states
+            self.values[rows, :, span] = value_states
+        else:
+            rows = layout.slots[:, None]  # [batch, 1] broadcasts against [batch, n]
+            pos = layout.write_positions
+            # Advanced indices around a slice put the indexed dims first: [batch, n, heads, dim].
+            self.keys[rows, :, pos] = key_states.transpose(1, 2)
+            self.values[rows, :, pos] = value_states.transpose(1, 2)
         return self._read(self.keys, layout), self._read(self.values, layout)
 
     @staticmethod

@@ -9,7 +9,7 @@ batched over sequences so one draft forward pass serves the whole batch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,10 @@ class Proposal:
     num_draft_tokens: torch.Tensor  # [batch] int64
     draft_probs: torch.Tensor | None  # [batch, k, vocab] q, or None for point mass/uniform
     kind: ProposalKind
-    draft_logits: torch.Tensor | None = None  # [batch, k, vocab] raw logits (for guessing)
+    # The draft's likeliest tokens at each position and their probabilities under its raw
+    # (untransformed) distribution: the speculation cache guesses outcomes from them.
+    top_token_ids: torch.Tensor | None = None  # [batch, k, m] int64
+    top_probs: torch.Tensor | None = None  # [batch, k, m] float32
 
 
 class Proposer(ABC):
@@ -71,18 +74,19 @@ class DraftModelProposer(Proposer):
         self.runner.rename(old, new)
         self._cached[new] = self._cached.pop(old)
 
-    def extend(self, seqs: Sequence[SequenceState]) -> torch.Tensor:
-        """Feed each sequence's unfed committed tokens; returns raw next-token logits.
+    def extend(self, seqs: Sequence[SequenceState], m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each sequence's unfed committed tokens; return its ``m`` likeliest next tokens.
 
-        Used to look one token past the drafts (the distribution of a bonus token) without
-        sampling: returns ``[batch, vocab]`` logits after the last committed token.
+        Used to look one token past the drafts (candidates for a bonus token) without
+        sampling: returns ``([batch, m] token ids, [batch, m] probabilities)`` under the
+        draft's raw distribution after the last committed token.
         """
         ids = [s.seq_id for s in seqs]
         feed = [self._sync(s) for s in seqs]
-        logits = self.runner.forward(ids, feed)
+        logits = self.runner.forward_padded(ids, feed, last_only=True)  # [batch, vocab]
         for sid, toks in zip(ids, feed, strict=True):
             self._cached[sid].extend(toks)
-        return torch.stack([lg[-1] for lg in logits])
+        return _top(logits, m)
 
     def _sync(self, seq: SequenceState) -> list[int]:
         """Roll the draft cache back to the committed prefix; return the tokens to feed."""
@@ -91,37 +95,70 @@ class DraftModelProposer(Proposer):
         if cached is None:
             self.runner.add(seq.seq_id)
             cached = self._cached[seq.seq_id] = []
-        common = 0
         # Keep at least one token to feed: its logits give the first draft distribution.
         limit = min(len(cached), len(tokens) - 1)
-        while common < limit and cached[common] == tokens[common]:
-            common += 1
+        if cached[:limit] == tokens[:limit]:  # the usual case: one comparison in C
+            common = limit
+        else:
+            common = 0
+            while cached[common] == tokens[common]:
+                common += 1
         del cached[common:]
         self.runner.rollback(seq.seq_id, common)
         return tokens[common:]
 
-    def propose(self, seqs: Sequence[SequenceState], k: int) -> Proposal:
+    def propose(
+        self,
+        seqs: Sequence[SequenceState],
+        k: int,
+        top_m: int = 0,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Proposal | None:
+        """``k`` drafts per sequence; with ``top_m``, also the draft's ``top_m`` likeliest
+        tokens at each position (for guessing verification outcomes).
+
+        ``should_stop`` is checked before each draft step; when it says so, drafting ends
+        and None is returned (the caches keep what was fed and resynchronise next time).
+
+        Greedy rows take the argmax and carry no ``q`` (argmax matching needs none);
+        ``draft_probs`` is allocated only when some row samples, and is zero on greedy rows.
+        """
         batch = len(seqs)
         ids = [s.seq_id for s in seqs]
         params = [s.params for s in seqs]
+        sampled = [row for row, sp in enumerate(params) if not sp.is_greedy]
         start = [len(s.token_ids) for s in seqs]  # absolute index of each row's first draft
-        vocab = self.runner.vocab_size
         draft = torch.zeros(batch, k, dtype=torch.long)
-        probs = torch.zeros(batch, k, vocab)
-        raw = torch.zeros(batch, k, vocab)
+        probs = torch.zeros(batch, k, self.runner.vocab_size) if sampled else None
+        top_ids = torch.zeros(batch, k, top_m, dtype=torch.long) if top_m else None
+        top_p = torch.zeros(batch, k, top_m) if top_m else None
+        sampled_params = [params[row] for row in sampled]
         feed = [self._sync(s) for s in seqs]
         for i in range(k):
-            logits = self.runner.forward(ids, feed)  # per row: [len(feed[row]), vocab]
-            raw[:, i] = torch.stack([lg[-1] for lg in logits])  # [batch, vocab]
-            q = probs_for(params, raw[:, i])
-            gens = [s.draft_generator_at(start[row] + i) for row, s in enumerate(seqs)]
-            tokens = sample(q, gens)  # [batch]
+            if should_stop is not None and should_stop():
+                return None
+            logits = self.runner.forward_padded(ids, feed, last_only=True)  # [batch, vocab]
+            tokens = logits.argmax(dim=-1)  # [batch]; replaced below on sampled rows
+            if sampled:
+                q = probs_for(sampled_params, logits[sampled])  # [s, vocab]
+                gens = [seqs[row].draft_generator_at(start[row] + i) for row in sampled]
+                tokens[sampled] = sample(q, gens)
+                probs[sampled, i] = q
+            if top_m:
+                top_ids[:, i], top_p[:, i] = _top(logits, top_m)
             draft[:, i] = tokens
-            probs[:, i] = q
             for row, sid in enumerate(ids):
                 self._cached[sid].extend(feed[row])
-            feed = [[int(t)] for t in tokens]
-        return Proposal(draft, torch.full((batch,), k, dtype=torch.long), probs, self.kind, raw)
+            feed = [[t] for t in tokens.tolist()]
+        return Proposal(
+            draft, torch.full((batch,), k, dtype=torch.long), probs, self.kind, top_ids, top_p
+        )
+
+
+def _top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``m`` likeliest tokens of ``[batch, vocab]`` logits and their probabilities."""
+    values, index = logits.topk(m, dim=-1)  # [batch, m]
+    return index, (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:

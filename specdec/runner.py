@@ -9,6 +9,7 @@ decode and multi-token verify are the same operation with different token counts
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -125,16 +126,40 @@ class ModelRunner:
         one padded forward pass; padding is masked out and never becomes part of a
         sequence.
         """
+        if not seq_ids:
+            if token_ids:
+                raise ValueError("seq_ids and token_ids differ in length")
+            return []
+        logits = self.forward_padded(seq_ids, token_ids)  # [batch, n, vocab]
+        return [logits[row, : len(t)] for row, t in enumerate(token_ids)]
+
+    @torch.no_grad()
+    def forward_padded(
+        self,
+        seq_ids: Sequence[Hashable],
+        token_ids: Sequence[Sequence[int]],
+        *,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """:meth:`forward` returning one padded tensor, rows in the order given.
+
+        Returns ``[batch, n, vocab]`` float32 (``n`` = the longest append; row ``i`` is
+        valid up to ``len(token_ids[i])``), or ``[batch, vocab]`` with ``last_only``: the
+        logits after each row's last appended token, the only ones prefill and drafting
+        need. With ``last_only`` the LM head runs on those positions alone, so a long
+        prompt never materialises ``[batch, prompt_len, vocab]``.
+        """
         if len(seq_ids) != len(token_ids):
             raise ValueError("seq_ids and token_ids differ in length")
-        if not seq_ids:
-            return []
         counts = [len(t) for t in token_ids]
-        if min(counts) < 1:
+        if not counts or min(counts) < 1:
             raise ValueError("every sequence must append at least one token")
+        batch = len(seq_ids)
         # Run rows in slot order so that a batch of consecutive slots reads a view.
-        order = sorted(range(len(seq_ids)), key=lambda i: self._slot[seq_ids[i]])
-        slots = [self._slot[seq_ids[i]] for i in order]
+        slot_of = [self._slot[sid] for sid in seq_ids]
+        in_order = all(a < b for a, b in itertools.pairwise(slot_of))
+        order = list(range(batch)) if in_order else sorted(range(batch), key=slot_of.__getitem__)
+        slots = [slot_of[i] for i in order]
         starts = [self._length[s] for s in slots]
         ns = [counts[i] for i in order]
         n = max(ns)
@@ -145,38 +170,61 @@ class ModelRunner:
         self.cache.ensure(len(self._length), _round_up(kv_len, 64))
 
         dev = self.device
-        input_ids = torch.zeros(len(order), n, dtype=torch.long)
-        for row, i in enumerate(order):
-            input_ids[row, : ns[row]] = torch.as_tensor(token_ids[i], dtype=torch.long)
-        start_t = torch.tensor(starts, dtype=torch.long)
-        position_ids = start_t[:, None] + torch.arange(n)[None, :]  # [batch, n]
-        # Query j of row b sees cache positions <= start_b + j: its own prefix, nothing of
-        # other rows' padding, nothing of its own padded queries.
-        mask = torch.arange(kv_len)[None, None, :] <= position_ids[:, :, None]  # [b, n, kv]
+        same_start = min(starts) == max(starts)
+        if min(ns) == n:  # no padding: one tensor straight from the lists
+            input_ids = torch.tensor([token_ids[i] for i in order], dtype=torch.long)
+        else:
+            input_ids = torch.zeros(batch, n, dtype=torch.long)
+            for row, i in enumerate(order):
+                input_ids[row, : ns[row]] = torch.as_tensor(token_ids[i], dtype=torch.long)
+        if same_start:
+            position_ids = torch.arange(starts[0], starts[0] + n).expand(batch, n)
+        else:
+            start_t = torch.tensor(starts, dtype=torch.long)
+            position_ids = start_t[:, None] + torch.arange(n)[None, :]  # [batch, n]
+        if same_start and n == 1:
+            mask = None  # one query per row at the common end: it sees the whole prefix
+        else:
+            # Query j of row b sees cache positions <= start_b + j: its own prefix, nothing
+            # of other rows' padding, nothing of its own padded queries.
+            rows_pos = position_ids[:1] if same_start else position_ids
+            mask = torch.arange(kv_len)[None, None, :] <= rows_pos[:, :, None]  # [b|1, n, kv]
+            mask = mask[:, None].to(dev)  # [b|1, 1, n, kv_len]
         first = slots[0]
-        contiguous = slots == list(range(first, first + len(slots)))
+        contiguous = slots == list(range(first, first + batch))
         self.cache.layout = BatchLayout(
             slots=torch.tensor(slots, dtype=torch.long, device=dev),
             write_positions=position_ids.to(dev),
             kv_len=kv_len,
             contiguous_from=first if contiguous else None,
+            write_start=starts[0] if same_start else None,
         )
+        kwargs = {}
+        if last_only:
+            keep = torch.tensor(ns, dtype=torch.long, device=dev)[:, None] - 1  # [batch, 1]
+            kwargs["logits_to_keep"] = keep
         try:
             out = self.model(
                 input_ids=input_ids.to(dev),
                 position_ids=position_ids.to(dev),
-                attention_mask=mask[:, None].to(dev),  # [batch, 1, n, kv_len]
+                attention_mask=mask,
                 past_key_values=self.cache,
                 use_cache=True,
+                **kwargs,
             )
         finally:
             self.cache.layout = None
-        logits = out.logits.float()  # [batch, n, vocab]
-        result: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
-        for row, i in enumerate(order):
+        logits = out.logits.float()  # [batch, n, vocab] or [batch, 1, vocab]
+        if last_only and logits.shape[1] != 1:  # a model that ignores logits_to_keep
+            logits = logits[torch.arange(batch), torch.tensor(ns) - 1][:, None]
+        for row in range(batch):
             self._length[slots[row]] = ends[row]
-            result[i] = logits[row, : ns[row]]
-        return result
+        if not in_order:
+            inverse = [0] * batch
+            for row, i in enumerate(order):
+                inverse[i] = row
+            logits = logits[torch.tensor(inverse, device=logits.device)]
+        return logits[:, 0] if last_only else logits
 
     def prefill(
         self, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]]
@@ -184,7 +232,7 @@ class ModelRunner:
         """Add new sequences with their prompts; returns last-position logits ``[batch, vocab]``."""
         for sid in seq_ids:
             self.add(sid)
-        return torch.stack([lg[-1] for lg in self.forward(seq_ids, prompts)])
+        return self.forward_padded(seq_ids, prompts, last_only=True)
 
 
 def _round_up(x: int, m: int) -> int:

@@ -4,180 +4,249 @@
 cache of next-round drafts keyed by the verification outcome; PEARL's post-verify
 (https://arxiv.org/abs/2408.11850) is the one-outcome case. After the draft has proposed
 ``d_1..d_n`` for a sequence, :meth:`SpeculativeDrafter.speculate` drafts ahead for the
-outcomes it expects:
+outcomes it expects, likeliest first, across all sequences within one budget:
 
-* all ``n`` accepted and bonus token ``b``, for the ``fanout`` likeliest ``b`` under the
-  draft's own next-token distribution;
-* (optionally) a rejection at position ``j`` with recovered token ``r``, guessing ``r`` as
-  the draft's best alternative to ``d_j``.
+* all ``n`` accepted and bonus token ``b``: probability ``alpha^n * pi(b)``;
+* a rejection at position ``j`` with recovered token ``r``: ``alpha^(j-1) (1 - alpha) *
+  pi_j(r) / (1 - pi_j(d_j))``,
 
-Each guess becomes a branch: a forked draft KV cache whose committed prefix is the
-guessed outcome, drafted with the request's draft random stream. When the real outcome
-arrives, :meth:`SpeculativeDrafter.propose` serves a branch whose prefix equals the real
-committed tokens exactly (a hit: no drafting on the critical path) or drafts afresh (a
-miss). Exactness holds on both paths: a branch's drafts are samples from ``q`` given the
-very prefix that was realised, drawn independently of the verifier's random numbers.
+where ``alpha`` is the acceptance rate measured on this draft's own outcomes and ``pi`` the
+draft's raw next-token probabilities. So when all-accept is likely the budget goes to
+bonus candidates, and when early rejections are likely it goes to recovered tokens there.
+
+Each chosen outcome becomes a branch: a forked draft KV cache whose committed prefix is
+the guessed outcome, drafted with the request's draft random stream. When the real
+outcome is known, :meth:`SpeculativeDrafter.propose` serves a branch whose guessed tokens
+equal the committed ones exactly (a hit: no drafting on the critical path) or drafts
+afresh (a miss). Exactness holds on both paths: a branch's drafts are samples from ``q``
+given the very prefix that was realised, drawn independently of the verifier's random
+numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specdec.proposers import DraftModelProposer
+from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 
 
 @dataclass
-class _Branch:
-    state: SequenceState  # its token_ids are the guessed committed prefix
-    tokens: list[int]  # the drafts prepared for that prefix
-    probs: torch.Tensor | None  # [n, vocab] q of those drafts
-    logits: torch.Tensor  # [n, vocab] raw draft logits (for the next guesses)
+class Drafts:
+    """Drafts for one sequence's next round, however they were obtained."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None  # [n, vocab] q; None for greedy rows (argmax matching needs no q)
+    top_ids: torch.Tensor  # [n, m] the draft's likeliest tokens at each position
+    top_probs: torch.Tensor  # [n, m] their raw probabilities
+    speculative: bool = False  # prepared ahead in a branch (a speculation-cache hit)
+
+    def trimmed(self, k: int) -> Drafts:
+        """The first ``k`` drafts (a prefix of drafts is itself a valid draft)."""
+        if k >= len(self.tokens):
+            return self
+        probs = None if self.probs is None else self.probs[:k]
+        return Drafts(
+            self.tokens[:k], probs, self.top_ids[:k], self.top_probs[:k], self.speculative
+        )
 
 
 @dataclass
-class DraftResult:
-    """Drafts for one sequence, however they were obtained."""
+class Branch:
+    """Drafts prepared for one guessed outcome of a sequence's current round."""
 
-    tokens: list[int]
-    probs: torch.Tensor | None  # [n, vocab]; None for greedy rows (argmax matching needs no q)
-    logits: torch.Tensor  # [n, vocab]
-    hit: bool  # served from the speculation cache
+    seq_id: Hashable  # the sequence it belongs to
+    guess: tuple[int, ...]  # the tokens the round is guessed to commit
+    state: SequenceState  # a sequence of its own: committed tokens + guess
+    drafts: Drafts
 
 
 class SpeculativeDrafter:
-    """A draft model plus its speculation cache; batched over sequences."""
+    """A draft model, the sequences it drafts for, and their speculation cache."""
 
-    def __init__(self, proposer: DraftModelProposer, fanout: int = 2, rejections: bool = True):
+    def __init__(self, proposer: DraftModelProposer, top_m: int = 4, decay: float = 0.98):
         self.proposer = proposer
-        self.fanout = fanout
-        self.rejections = rejections
-        self._branches: dict[Hashable, list[_Branch]] = {}
-        self._last: dict[Hashable, DraftResult] = {}
+        self.top_m = top_m
+        self.decay = decay
+        self.seqs: dict[Hashable, SequenceState] = {}
+        self._last: dict[Hashable, Drafts] = {}  # drafts being verified now, per sequence
+        self._branches: dict[Hashable, list[Branch]] = {}
+        self._accepted = 4.0  # decayed sums for alpha_hat = A / (A + R); prior 0.8
+        self._rejections = 1.0
         self.hits = 0
         self.misses = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.proposer.runner.max_model_len
+
+    @property
+    def acceptance(self) -> float:
+        """alpha_hat over recent rounds (DESIGN.md: A / (A + rounds with a rejection))."""
+        return self._accepted / (self._accepted + self._rejections)
+
+    # ----- sequences ----------------------------------------------------------------------
+
+    def add(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams) -> None:
+        """Start (or restart) drafting for a sequence from all its committed tokens."""
+        self.free(seq_id)
+        self.seqs[seq_id] = SequenceState(seq_id, list(token_ids), params)
 
     def free(self, seq_id: Hashable) -> None:
         self._drop_branches(seq_id)
         self._last.pop(seq_id, None)
-        self.proposer.free(seq_id)
+        if self.seqs.pop(seq_id, None) is not None:
+            self.proposer.free(seq_id)
+
+    def length(self, seq_id: Hashable) -> int | None:
+        seq = self.seqs.get(seq_id)
+        return None if seq is None else len(seq.prompt_token_ids) + len(seq.output_token_ids)
+
+    def commit(self, seq_id: Hashable, new_tokens: Sequence[int]) -> None:
+        """The target committed ``new_tokens``; learn how many of our drafts it accepted."""
+        seq = self.seqs[seq_id]
+        last = self._last.pop(seq_id, None)
+        if last is not None and last.tokens:
+            n = len(last.tokens)
+            a = 0
+            while a < min(n, len(new_tokens) - 1) and last.tokens[a] == new_tokens[a]:
+                a += 1
+            self._accepted = self.decay * self._accepted + a
+            self._rejections = self.decay * self._rejections + (a < n)
+        seq.output_token_ids.extend(int(t) for t in new_tokens)
 
     def _drop_branches(self, seq_id: Hashable) -> None:
         for br in self._branches.pop(seq_id, []):
             self.proposer.free(br.state.seq_id)
 
-    def propose(self, seqs: Sequence[SequenceState], ks: Sequence[int]) -> list[DraftResult]:
-        """Drafts of length ``ks[i]`` continuing each sequence's committed tokens."""
-        results: list[DraftResult | None] = [None] * len(seqs)
+    # ----- drafting -----------------------------------------------------------------------
+
+    def propose(self, seq_ids: Sequence[Hashable], ks: Sequence[int]) -> list[Drafts]:
+        """``ks[i]`` drafts continuing each sequence's committed tokens (0: none).
+
+        A branch whose guess equals what the last round committed is served as it is;
+        the other rows are drafted in one batch.
+        """
+        results: list[Drafts | None] = [None] * len(seq_ids)
         fresh: list[int] = []
-        for i, seq in enumerate(seqs):
-            hit = self._take_branch(seq, ks[i])
+        for i, sid in enumerate(seq_ids):
+            hit = self._take_branch(sid, ks[i])
             if hit is not None:
                 results[i] = hit
             elif ks[i] > 0:
                 fresh.append(i)
             else:
-                results[i] = DraftResult([], None, torch.zeros(0, 0), hit=False)
+                results[i] = Drafts([], None, torch.zeros(0, 0), torch.zeros(0, 0))
         if fresh:
             k = max(ks[i] for i in fresh)
-            prop = self.proposer.propose([seqs[i] for i in fresh], k)
+            prop = self.proposer.propose([self.seqs[seq_ids[i]] for i in fresh], k, self.top_m)
             for row, i in enumerate(fresh):
-                n = ks[i]
-                greedy = seqs[i].params.is_greedy
-                results[i] = DraftResult(
-                    prop.draft_token_ids[row, :n].tolist(),
-                    None if greedy else prop.draft_probs[row, :n].clone(),
-                    prop.draft_logits[row, :n].clone(),
-                    hit=False,
-                )
-        for i, seq in enumerate(seqs):
+                results[i] = _drafts_of(prop, row, ks[i], self.seqs[seq_ids[i]].params)
+        for i, sid in enumerate(seq_ids):
             if ks[i] > 0:
-                self.hits += int(results[i].hit)
-                self.misses += int(not results[i].hit)
-            self._last[seq.seq_id] = results[i]
+                self.hits += int(results[i].speculative)
+                self.misses += int(not results[i].speculative)
+                self._last[sid] = results[i]
         return results  # type: ignore[return-value]
 
-    def _take_branch(self, seq: SequenceState, k: int) -> DraftResult | None:
-        branches = self._branches.pop(seq.seq_id, [])
+    def _take_branch(self, seq_id: Hashable, k: int) -> Drafts | None:
+        branches = self._branches.pop(seq_id, [])
+        seq = self.seqs[seq_id]
         realised = seq.token_ids
         chosen = None
         for br in branches:
-            if chosen is None and k > 0 and br.state.token_ids == realised and br.tokens:
+            if chosen is None and k > 0 and br.state.token_ids == realised and br.drafts.tokens:
                 chosen = br
             else:
                 self.proposer.free(br.state.seq_id)
         if chosen is None:
             return None
         # The branch's cache becomes the sequence's cache.
-        self.proposer.free(seq.seq_id)
-        self.proposer.rename(chosen.state.seq_id, seq.seq_id)
-        n = min(k, len(chosen.tokens))
-        return DraftResult(
-            chosen.tokens[:n],
-            None if chosen.probs is None else chosen.probs[:n],
-            chosen.logits[:n],
-            hit=True,
-        )
+        self.proposer.free(seq_id)
+        self.proposer.rename(chosen.state.seq_id, seq_id)
+        return chosen.drafts.trimmed(k)
 
     def speculate(
         self,
-        seqs: Sequence[SequenceState],
-        ks: Sequence[int],
-        fanout: int | None = None,
-        rejections: bool | None = None,
-    ) -> int:
-        """Prepare next-round drafts for the likely outcomes of the drafts just proposed.
+        seq_ids: Sequence[Hashable],
+        budget: int,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[Branch] | None:
+        """Prepare next-round drafts for the ``budget`` likeliest outcomes of this round.
 
-        Call after :meth:`propose` for the same sequences (with their committed tokens
-        unchanged). ``fanout`` and ``rejections`` override the defaults for this call (the
-        engine narrows them when speculation would outlast verification). Returns the
-        number of branches prepared.
+        Call after :meth:`propose` for the same sequences. ``should_stop`` is checked
+        between draft steps: once the real outcome is known, branches still being drafted
+        are worthless, so drafting stops, nothing is kept, and None is returned.
         """
-        fanout = self.fanout if fanout is None else fanout
-        rejections = self.rejections if rejections is None else rejections
-        branch_states: list[SequenceState] = []
-        parents: list[Hashable] = []
-        look_ahead = []
-        for seq, k in zip(seqs, ks, strict=True):
-            last = self._last.get(seq.seq_id)
-            if last is None or not last.tokens or k <= 0:
+        look = [sid for sid in seq_ids if self._last.get(sid) is not None]
+        look = [sid for sid in look if self._last[sid].tokens]
+        if not look or budget <= 0:
+            return []
+        heads = []
+        for sid in look:
+            seq = self.seqs[sid]
+            heads.append(SequenceState(sid, seq.token_ids + self._last[sid].tokens, seq.params))
+        bonus_ids, bonus_probs = self.proposer.extend(heads, self.top_m)  # [batch, m]
+        alpha = min(self.acceptance, 0.999)
+        candidates: list[tuple[float, Hashable, tuple[int, ...]]] = []
+        for row, sid in enumerate(look):
+            last = self._last[sid]
+            n = len(last.tokens)
+            all_accept = alpha**n
+            for b, pb in zip(bonus_ids[row].tolist(), bonus_probs[row].tolist(), strict=True):
+                candidates.append((all_accept * pb, sid, (*last.tokens, b)))
+            for j in range(n):
+                reject_here = alpha**j * (1 - alpha)
+                p_draft = 0.0
+                alts = []
+                for t, pt in zip(last.top_ids[j].tolist(), last.top_probs[j].tolist(), strict=True):
+                    if t == last.tokens[j]:
+                        p_draft = pt
+                    else:
+                        alts.append((t, pt))
+                for t, pt in alts:
+                    score = reject_here * pt / max(1e-6, 1 - p_draft)
+                    candidates.append((score, sid, (*last.tokens[:j], t)))
+        candidates.sort(key=lambda c: -c[0])
+        chosen = candidates[:budget]
+        states, parents, guesses, ks = [], [], [], []
+        for g, (_score, sid, guess) in enumerate(chosen):
+            seq = self.seqs[sid]
+            prefix = seq.token_ids + list(guess)
+            k = min(len(self._last[sid].tokens), self.max_model_len - len(prefix))
+            if k <= 0:
                 continue
-            look_ahead.append((seq, last, k))
-        if not look_ahead:
-            return 0
-        # The draft's distribution one past its drafts: candidates for the bonus token.
-        heads = [
-            SequenceState(seq.seq_id, seq.token_ids + last.tokens, seq.params)
-            for seq, last, _ in look_ahead
-        ]
-        bonus_logits = self.proposer.extend(heads)  # [batch, vocab]
-        for row, (seq, last, _k) in enumerate(look_ahead):
-            guesses: list[list[int]] = [
-                [*last.tokens, int(b)] for b in bonus_logits[row].topk(fanout).indices
-            ]
-            if rejections:
-                for j, tok in enumerate(last.tokens):
-                    alt = last.logits[j].clone()
-                    alt[tok] = float("-inf")
-                    guesses.append([*last.tokens[:j], int(alt.argmax())])
-            for g, ext in enumerate(guesses):
-                bid = (seq.seq_id, "branch", g)
-                self.proposer.fork(seq.seq_id, bid)
-                branch_states.append(SequenceState(bid, seq.token_ids + ext, seq.params))
-                parents.append(seq.seq_id)
-        k = max(k for _, _, k in look_ahead)
-        prop = self.proposer.propose(branch_states, k)
-        for row, (state, parent) in enumerate(zip(branch_states, parents, strict=True)):
-            greedy = state.params.is_greedy
-            self._branches.setdefault(parent, []).append(
-                _Branch(
-                    state,
-                    prop.draft_token_ids[row].tolist(),
-                    None if greedy else prop.draft_probs[row].clone(),
-                    prop.draft_logits[row].clone(),
-                )
-            )
-        return len(branch_states)
+            bid = (sid, "branch", g)
+            self.proposer.fork(sid, bid)
+            states.append(SequenceState(bid, prefix, seq.params))
+            parents.append(sid)
+            guesses.append(guess)
+            ks.append(k)
+        if not states:
+            return []
+        prop = self.proposer.propose(states, max(ks), self.top_m, should_stop=should_stop)
+        if prop is None:
+            for st in states:
+                self.proposer.free(st.seq_id)
+            return None
+        branches = []
+        for row, (state, sid, guess) in enumerate(zip(states, parents, guesses, strict=True)):
+            drafts = _drafts_of(prop, row, ks[row], state.params)
+            drafts.speculative = True
+            br = Branch(sid, guess, state, drafts)
+            self._branches.setdefault(sid, []).append(br)
+            branches.append(br)
+        return branches
+
+
+def _drafts_of(prop, row: int, n: int, params: SamplingParams) -> Drafts:
+    return Drafts(
+        prop.draft_token_ids[row, :n].tolist(),
+        None if params.is_greedy else prop.draft_probs[row, :n].clone(),
+        prop.top_token_ids[row, :n],
+        prop.top_probs[row, :n],
+    )

@@ -134,7 +134,7 @@ def test_sampling_through_overlap_engine_follows_target(ray_local, tiny_target, 
         speculation={
             "mode": "overlap",
             "num_speculative_tokens": 1,
-            "speculation_fanout": 2,
+            "speculation_width": 2,
             "adaptive_overlap": False,  # tiny models: keep speculating so hits happen
         },
     )

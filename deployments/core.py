@@ -1,0 +1,454 @@
+"""The engine core: a loop next to the target model that runs rounds back to back.
+
+As in vLLM v1 (a busy engine-core loop, a separate frontend), scheduling of the running
+sequences lives here, in the target's process, not in the Serve replica. A round:
+
+1. take the drafts for every running sequence from what the draft actor *pushed*: on a
+   speculation-cache hit they arrived while the previous round was being verified, so
+   the round starts at once, with no actor call and no engine code in between; on a miss
+   the loop waits for the fresh drafts the draft actor sends when it learns the outcome;
+2. verify them all in one target pass and commit;
+3. tell the draft actor the outcomes (one fire-and-forget message per round, sent by a
+   sender thread so the loop never pays for Ray's call path) and publish the committed
+   tokens to the frontend, which long-polls :meth:`EngineCore.get_outputs`.
+
+Admissions and aborts arrive as messages between rounds. Every call into this actor runs
+in a concurrency group of its own (control, push, poll), so a long-poll never blocks a
+push, and all of them run while the loop thread is inside torch (which releases the GIL).
+
+Message to the draft (``DraftWorker.on_round``): ``(msg_no, first, round_for, items,
+freed, verify_s)``; an item is ``(seq_id, base_len, new_tokens, k, full_tokens, params)``:
+the sequence had ``base_len`` committed tokens, now also ``new_tokens``; drafts of length
+``k`` are wanted for round ``round_for``. ``full_tokens``/``params`` are set when the draft
+must (re)start the sequence from scratch (new sequence, new draft, lost track).
+Pushes back (``push_drafts``): ``(round_for, [(seq_id, guess, tokens, q, speculative)])``:
+drafts for the round in which ``seq_id``'s previous round committed exactly ``guess``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import ray
+
+from deployments.config import ModelSpec
+from deployments.workers import configure_thread, load_runner, worker_info
+from specdec.sampling import SamplingParams
+from specdec.sequence import SequenceState
+from specdec.verify import VerifyRow, sample_next, verify_rows
+
+logger = logging.getLogger("specserve.core")
+
+
+@dataclass
+class RoundTimings:
+    """Accumulated time per round phase, measured in the loop (for benchmarks and metrics).
+
+    ``total_s`` runs from the moment a round starts gathering its drafts to the moment its
+    outcomes are published; ``draft_wait_s`` is the part spent waiting for drafts (misses);
+    ``verify_s`` the target's forward pass plus verification. Overhead is the rest: every
+    bit of the critical path that is neither model work nor waiting for the draft.
+    """
+
+    rounds: int = 0
+    total_s: float = 0.0
+    draft_wait_s: float = 0.0
+    verify_s: float = 0.0
+    rows: int = 0  # sequence-rounds
+    drafted_rows: int = 0  # sequence-rounds that carried drafts
+    hits: int = 0  # ... whose drafts were prepared ahead (speculation-cache hits)
+    draft_timeouts: int = 0
+
+    @property
+    def overhead_s(self) -> float:
+        return self.total_s - self.draft_wait_s - self.verify_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "overhead_s": self.overhead_s}
+
+
+@dataclass
+class _Seq:
+    state: SequenceState
+    k: int  # requested draft length
+    k_next: int = 0  # draft length asked of the draft for the next round
+    guess: tuple[int, ...] = ()  # what the last round committed: the key of the next drafts
+    synced: bool = False  # the draft has this sequence's tokens
+    base_len: int = 0  # committed tokens before the last round's
+    # drafted, accepted, rounds with drafts, cache hits
+    stats: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+
+
+class _Sender:
+    """Issues fire-and-forget actor calls from its own thread, off the loop's path."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="specserve-sender", daemon=True).start()
+
+    def send(self, method, *args) -> None:
+        self._queue.put((method, args))
+
+    def _run(self) -> None:
+        while True:
+            method, args = self._queue.get()
+            try:
+                method.remote(*args)
+            except Exception:  # a dead actor: the frontend replaces it
+                logger.exception("could not send to the draft")
+
+
+class EngineCore:
+    """Target model + the scheduling loop of one replica (a threaded Ray actor)."""
+
+    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"control": 2, "push": 1, "poll": 1}
+
+    def __init__(
+        self,
+        spec: dict,
+        max_num_seqs: int,
+        eos_token_id: int | None,
+        draft_timeout_s: float,
+        draft_max_model_len: int | None = None,
+    ):
+        self.spec = ModelSpec.model_validate(spec)
+        self.runner = load_runner(self.spec, max_num_seqs)
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_id = eos_token_id
+        self.draft_timeout_s = draft_timeout_s
+        self.draft_max_model_len = draft_max_model_len or self.runner.max_model_len
+        self._cv = threading.Condition()  # guards everything the calls hand to the loop
+        self._new: list[tuple] = []
+        self._aborts: set[Hashable] = set()
+        self._pushes: dict[Hashable, dict[tuple, tuple]] = {}
+        self._resync: set[Hashable] = set()
+        self._draft = None
+        self._draft_first = True  # the next message starts a new draft
+        self._out_cv = threading.Condition()
+        self._outbox: list[tuple] = []
+        self._out_base = 0
+        self._waiting: list[tuple] = []  # admitted to the core, not yet running
+        self._running: dict[Hashable, _Seq] = {}
+        self._round = 0
+        # Message numbers grow with time, so a replacement core's numbers are all larger
+        # than those of the core it replaces (the draft drops stragglers from that one).
+        self._msg_no = time.time_ns() // 1000
+        self._verify_avg: float | None = None
+        self.timings = RoundTimings()
+        self.error: str | None = None
+        self._stopped = False
+        self._sender = _Sender()
+        self._thread = threading.Thread(target=self._loop_guarded, name="specserve-core")
+        self._thread.daemon = True
+        self._thread.start()
+
+    # ----- calls (each in its concurrency group) ------------------------------------------
+
+    @ray.method(concurrency_group="control")
+    def ready(self) -> dict[str, Any]:
+        return worker_info(self.runner)
+
+    @ray.method(concurrency_group="control")
+    def add_requests(self, items: list[tuple]) -> None:
+        """``(seq_id, prompt_ids, output_ids, params dict, k)``; ``output_ids`` non-empty
+        resumes a request that already committed those tokens (after a target failure)."""
+        with self._cv:
+            if self.error:
+                raise RuntimeError(self.error)
+            self._new.extend(items)
+            self._cv.notify_all()
+
+    @ray.method(concurrency_group="control")
+    def abort(self, seq_ids: list[Hashable]) -> None:
+        with self._cv:
+            self._aborts.update(seq_ids)
+            self._cv.notify_all()
+
+    @ray.method(concurrency_group="control")
+    def set_draft(self, draft) -> None:
+        """Use this draft actor from now on (None: serve target-only until one comes)."""
+        with self._cv:
+            self._draft = draft
+            self._draft_first = True
+            self._cv.notify_all()
+
+    @ray.method(concurrency_group="control")
+    def get_timings(self, reset: bool = False) -> dict[str, Any]:
+        out = self.timings.as_dict()
+        if reset:
+            self.timings = RoundTimings()
+        return out
+
+    @ray.method(concurrency_group="control")
+    def health(self) -> dict[str, Any]:
+        return {
+            "running": len(self._running),
+            "waiting": len(self._waiting) + len(self._new),
+            "error": self.error,
+            "loop_alive": self._thread.is_alive(),
+        }
+
+    @ray.method(concurrency_group="push")
+    def push_drafts(self, round_for: int, items: list[tuple]) -> None:
+        """Drafts from the draft actor; see the module docstring for the format."""
+        with self._cv:
+            for seq_id, guess, tokens, q, speculative in items:
+                if guess is None:  # the draft lost track of this sequence
+                    self._resync.add(seq_id)
+                    continue
+                self._pushes.setdefault(seq_id, {})[(round_for, guess)] = (tokens, q, speculative)
+            self._cv.notify_all()
+
+    @ray.method(concurrency_group="poll")
+    def get_outputs(self, cursor: int, timeout_s: float) -> tuple[int, list[tuple], str | None]:
+        """Long-poll: outputs after ``cursor`` (those before it are acknowledged and dropped).
+
+        An output is ``(seq_id, new_tokens, finished, finish_reason, num_output_tokens,
+        (drafted, accepted, rounds, cache_hits), error)``.
+        """
+        with self._out_cv:
+            drop = max(0, min(cursor - self._out_base, len(self._outbox)))
+            del self._outbox[:drop]
+            self._out_base += drop
+            if not self._outbox and not self.error:
+                self._out_cv.wait(timeout_s)
+            return self._out_base + len(self._outbox), list(self._outbox), self.error
+
+    # ----- the loop -------------------------------------------------------------------------
+
+    def _loop_guarded(self) -> None:
+        configure_thread(self.spec)
+        try:
+            self._loop()
+        except Exception as exc:  # Ray does not see this thread: surface the error
+            logger.exception("engine core loop failed")
+            self.error = f"engine core failure: {exc!r}"
+            with self._out_cv:
+                for sid in list(self._running) + [it[0] for it in self._waiting]:
+                    self._outbox.append((sid, [], True, "error", 0, (0, 0, 0, 0), self.error))
+                self._out_cv.notify_all()
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            with self._cv:
+                while not (self._running or self._new or self._aborts or self._waiting):
+                    self._cv.wait()
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, set()
+            self._waiting.extend(new)
+            freed = self._apply_aborts(aborts)
+            self._admit(freed)
+            if self._running:
+                self._run_round()
+
+    def _apply_aborts(self, aborts: set[Hashable]) -> list[Hashable]:
+        freed = []
+        if aborts:
+            self._waiting = [it for it in self._waiting if it[0] not in aborts]
+            for sid in aborts:
+                seq = self._running.get(sid)
+                if seq is not None:
+                    self._free(sid)
+                    if seq.k > 0:
+                        freed.append(sid)
+        return freed
+
+    def _free(self, sid: Hashable) -> None:
+        self._running.pop(sid, None)
+        self.runner.free(sid)
+        with self._cv:
+            self._pushes.pop(sid, None)
+            self._resync.discard(sid)
+
+    def _admit(self, freed: list[Hashable]) -> None:
+        """Prefill waiting requests up to max_num_seqs and publish their first tokens."""
+        room = self.max_num_seqs - len(self._running)
+        batch, self._waiting = self._waiting[:room], self._waiting[room:]
+        items: list[tuple] = []
+        if batch:
+            outputs = []
+            ids, feeds, fresh = [], [], []
+            for sid, prompt, output, params, k in batch:
+                state = SequenceState(sid, list(prompt), SamplingParams(**params))
+                state.output_token_ids = list(output)
+                seq = _Seq(state, k)
+                self.runner.add(sid)
+                self._running[sid] = seq
+                ids.append(sid)
+                tokens = state.token_ids
+                feeds.append(tokens if not output else tokens[:-1])
+                fresh.append(not output)
+            logits = self.runner.forward_padded(ids, feeds, last_only=True)  # [batch, vocab]
+            rows = [i for i, f in enumerate(fresh) if f]
+            if rows:
+                states = [self._running[ids[i]].state for i in rows]
+                firsts = sample_next(
+                    logits[rows], [s.params for s in states], [s.verify_generator for s in states]
+                )
+                for i, tok in zip(rows, firsts, strict=True):
+                    seq = self._running[ids[i]]
+                    seq.state.append([tok], self.eos_token_id)
+                    seq.guess = (tok,)
+                    outputs.append(self._output(seq, [tok]))
+            for i, sid in enumerate(ids):
+                seq = self._running[sid]
+                if not fresh[i]:
+                    seq.guess = (seq.state.last_token_id,)
+                if seq.state.finished:
+                    self._free(sid)
+                    continue
+                if seq.k > 0:
+                    items.append(self._draft_item(seq))
+            self._publish(outputs)
+        if items or freed:
+            self._message(self._round, items, freed)
+
+    def _k_for(self, seq: _Seq) -> int:
+        """Draft length for the next round: never past max_tokens or either model's context."""
+        if self._draft is None or seq.k <= 0:
+            return 0
+        st = seq.state
+        length = len(st.prompt_token_ids) + len(st.output_token_ids)
+        return max(
+            0,
+            min(
+                seq.k,
+                st.params.max_tokens - len(st.output_token_ids) - 1,
+                self.runner.max_model_len - length,
+                self.draft_max_model_len - length - 1,
+            ),
+        )
+
+    def _draft_item(self, seq: _Seq) -> tuple:
+        seq.k_next = self._k_for(seq)
+        st = seq.state
+        if seq.synced:
+            return (st.seq_id, seq.base_len, list(seq.guess), seq.k_next, None, None)
+        seq.synced = True
+        return (st.seq_id, 0, list(seq.guess), seq.k_next, st.token_ids, asdict(st.params))
+
+    def _message(self, round_for: int, items: list[tuple], freed: list[Hashable]) -> None:
+        with self._cv:
+            draft, first = self._draft, self._draft_first
+            self._draft_first = False
+        if draft is None:
+            return
+        if first:  # a new draft knows nothing: everything is sent in full
+            for seq in self._running.values():
+                seq.synced = False
+            items = [self._draft_item(seq) for seq in self._running.values() if seq.k > 0]
+        if not items and not freed:
+            return
+        self._msg_no += 1
+        self._sender.send(
+            draft.on_round, self._msg_no, first, round_for, items, freed, self._verify_avg
+        )
+
+    def _gather(self) -> tuple[dict[Hashable, tuple], float]:
+        """Take each running sequence's drafts for this round, waiting for missing ones."""
+        need = {sid: seq for sid, seq in self._running.items() if seq.k_next > 0}
+        found: dict[Hashable, tuple] = {}
+        t0 = time.perf_counter()
+        deadline = t0 + self.draft_timeout_s
+        with self._cv:
+            while True:
+                for sid in list(need):
+                    seq = need[sid]
+                    got = self._pushes.get(sid, {}).pop((self._round, seq.guess), None)
+                    if got is not None:
+                        found[sid] = got
+                        del need[sid]
+                    elif sid in self._resync:
+                        self._resync.discard(sid)
+                        seq.synced = False
+                        del need[sid]
+                remaining = deadline - time.perf_counter()
+                if not need or self._draft is None or remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            for sid in need:  # timed out or no draft: plain decode this round
+                self._running[sid].synced = False
+                self.timings.draft_timeouts += int(self._draft is not None)
+            for sid in found:  # drafts for rounds already past are worthless
+                pushes = self._pushes.get(sid)
+                if pushes:
+                    for key in [key for key in pushes if key[0] <= self._round]:
+                        del pushes[key]
+        return found, time.perf_counter() - t0
+
+    def _run_round(self) -> None:
+        t_round = time.perf_counter()
+        found, waited = self._gather()
+        seqs = list(self._running.values())
+        rows, feeds = [], []
+        for seq in seqs:
+            tokens, q, speculative = found.get(seq.state.seq_id, ([], None, False))
+            k = min(len(tokens), seq.k_next)
+            tokens, q = tokens[:k], (None if q is None else q[:k])
+            rows.append(VerifyRow(seq.state.params, tokens, q, seq.state.verify_generator))
+            feeds.append([seq.state.last_token_id, *tokens])
+            if k:
+                seq.stats[0] += k
+                seq.stats[2] += 1
+                seq.stats[3] += int(speculative)
+        t_verify = time.perf_counter()
+        ids = [seq.state.seq_id for seq in seqs]
+        cached = [self.runner.length(sid) for sid in ids]
+        logits = self.runner.forward_padded(ids, feeds)  # [batch, k + 1, vocab]
+        results = verify_rows(logits, rows)
+        for sid, c, (_tokens, a) in zip(ids, cached, results, strict=True):
+            self.runner.rollback(sid, c + 1 + a)
+        verify_s = time.perf_counter() - t_verify
+        self._verify_avg = (
+            verify_s if self._verify_avg is None else (0.8 * self._verify_avg + 0.2 * verify_s)
+        )
+        self._round += 1
+        items, freed, outputs = [], [], []
+        for seq, row, (tokens, a) in zip(seqs, rows, results, strict=True):
+            st = seq.state
+            seq.base_len = len(st.prompt_token_ids) + len(st.output_token_ids)
+            kept = st.append(tokens, self.eos_token_id)
+            seq.guess = tuple(tokens[:kept])
+            if row.draft_token_ids:
+                seq.stats[1] += a
+            outputs.append(self._output(seq, tokens[:kept]))
+            if st.finished:
+                self._free(st.seq_id)
+                if seq.k > 0:
+                    freed.append(st.seq_id)
+            elif seq.k > 0:  # target-only requests never concern the draft
+                items.append(self._draft_item(seq))
+        self._message(self._round, items, freed)  # first: the draft starts on it at once
+        self._publish(outputs)
+        t = self.timings
+        t.rounds += 1
+        t.rows += len(seqs)
+        t.drafted_rows += sum(1 for r in rows if r.draft_token_ids)
+        t.hits += sum(1 for sid in found if found[sid][2])
+        t.draft_wait_s += waited
+        t.verify_s += verify_s
+        t.total_s += time.perf_counter() - t_round
+
+    def _output(self, seq: _Seq, new_tokens: list[int]) -> tuple:
+        st = seq.state
+        return (
+            st.seq_id,
+            list(new_tokens),
+            st.finished,
+            st.finish_reason,
+            len(st.output_token_ids),
+            tuple(seq.stats),
+            None,
+        )
+
+    def _publish(self, outputs: list[tuple]) -> None:
+        if outputs:
+            with self._out_cv:
+                self._outbox.extend(outputs)
+                self._out_cv.notify_all()

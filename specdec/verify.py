@@ -1,0 +1,101 @@
+"""Verification of a batch of rows straight from target logits, greedy rows on a fast path.
+
+:func:`specdec.rejection.rejection_sample` works on dense probabilities ``p`` and ``q``
+(``[batch, k + 1, vocab]``), which a sampled row needs. A greedy row needs neither: it
+accepts while each draft equals the target's argmax and then commits the argmax at the
+first mismatch (or the bonus position), which is exactly what ``rejection_sample`` does
+for greedy rows. So greedy rows here only take an argmax over their logits, and only
+sampled rows are transformed into probabilities and passed to the rejection sampler, as
+a sub-batch. The results are identical; the cost of a greedy row is one argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.rejection import rejection_sample
+from specdec.sampling import SamplingParams, probs_for
+
+
+@dataclass
+class VerifyRow:
+    """One sequence's part of a verification pass."""
+
+    params: SamplingParams
+    draft_token_ids: list[int]  # k_i drafts (may be empty: a plain decode step)
+    draft_probs: np.ndarray | torch.Tensor | None  # [k_i, vocab] q; None for greedy rows
+    generator: torch.Generator | None  # the request's verify stream (None: global RNG)
+
+
+def verify_rows(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[tuple[list[int], int]]:
+    """Verify every row against its target logits.
+
+    logits: [batch, n, vocab] target logits; row ``i`` is valid for positions
+            ``0..k_i`` (the newest committed token, then each draft).
+    Returns per row the tokens it commits (accepted drafts, then the recovered or bonus
+    token) and the number of accepted drafts.
+    """
+    results: list[tuple[list[int], int] | None] = [None] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=logits.device)
+        argmax = logits.index_select(0, index).argmax(dim=-1).tolist()  # [g, n]
+        for row, i in enumerate(greedy):
+            best = argmax[row]
+            drafts = rows[i].draft_token_ids
+            a = 0
+            while a < len(drafts) and drafts[a] == best[a]:
+                a += 1
+            results[i] = ([*drafts[:a], best[a]], a)
+    if sampled:
+        _verify_sampled(logits, rows, sampled, results)
+    return results  # type: ignore[return-value]
+
+
+def _verify_sampled(logits, rows, sampled, results) -> None:
+    k = max(len(rows[i].draft_token_ids) for i in sampled)
+    vocab = logits.shape[-1]
+    dev = logits.device
+    index = torch.tensor(sampled, device=dev)
+    target = logits.index_select(0, index)[:, : k + 1]  # [s, k + 1, vocab]
+    if target.shape[1] < k + 1:  # every sampled row drafted less than the longest row
+        target = torch.nn.functional.pad(target, (0, 0, 0, k + 1 - target.shape[1]))
+    draft_ids = torch.zeros(len(sampled), k, dtype=torch.long)
+    draft_probs = torch.zeros(len(sampled), k, vocab, device=dev)
+    counts = torch.zeros(len(sampled), dtype=torch.long)
+    for row, i in enumerate(sampled):
+        drafts, q = rows[i].draft_token_ids, rows[i].draft_probs
+        n = len(drafts)
+        counts[row] = n
+        if n:
+            draft_ids[row, :n] = torch.tensor(drafts)
+            if q is None:
+                raise ValueError("a sampled row with drafts needs their draft probabilities")
+            draft_probs[row, :n] = torch.as_tensor(q, device=dev)
+    params = [rows[i].params for i in sampled]
+    p = probs_for(params, target)  # [s, k + 1, vocab]
+    out = rejection_sample(
+        draft_ids.to(dev),
+        counts,
+        p,
+        draft_probs,
+        torch.zeros(len(sampled), dtype=torch.bool),
+        [rows[i].generator for i in sampled],
+    )
+    for row, i in enumerate(sampled):
+        results[i] = (out.tokens(row), int(out.num_accepted[row]))
+
+
+def sample_next(last_logits: torch.Tensor, params: Sequence[SamplingParams], generators):
+    """One token per row from ``[batch, vocab]`` logits; greedy rows take the argmax."""
+    out = last_logits.argmax(dim=-1).tolist()
+    for i, sp in enumerate(params):
+        if not sp.is_greedy:
+            probs = probs_for([sp], last_logits[i : i + 1])[0]
+            out[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
+    return out
