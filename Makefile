@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint down clean
+.PHONY: serve test lint down clean bench-peers
 
 # Create the virtualenv and install the project (+ dev tools) once; reinstall when
 # pyproject.toml changes. torch==2.13.0 resolves to the CPU wheel on our machines.
@@ -35,6 +35,10 @@ serve: $(STAMP)
 	$(BIN)/serve deploy cluster/serve/demo.yaml
 	$(BIN)/python -m deployments.smoke --url $(SERVE_URL)
 	@echo "Status: RAY_AUTH_MODE=token $(BIN)/serve status   Stop: make down"
+
+# SpecServe against transformers plain and assisted generation on the same pair, batch 1.
+bench-peers: $(STAMP)
+	$(BIN)/python -m bench.peers
 
 down:
 	-$(BIN)/serve shutdown -y

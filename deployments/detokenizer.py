@@ -1,9 +1,16 @@
-"""Incremental detokenization with stop strings, for streaming and for final text.
+"""Incremental detokenization with stop strings, O(1) per token, for streaming and final text.
 
-Byte-level BPE tokens can end inside a UTF-8 character, and a stop string can span tokens,
-so text is released only when it can no longer change: never a trailing replacement
-character, and never the last ``len(longest stop) - 1`` characters while a stop string
-could still complete there.
+Decoding the whole output at every step costs O(n) per token (quadratic over a stream).
+Instead, only a small window of tokens is decoded: ``token_ids[prefix:read]`` is text
+already released, ``token_ids[prefix:]`` the same plus the new tokens, and the new text
+is the difference. Decoding the window from ``prefix`` rather than from ``read`` keeps
+tokenizers that treat a sequence's first token specially (leading spaces) right.
+
+Byte-level BPE tokens can end inside a UTF-8 character: while the window's text ends in
+a replacement character the read offset does not move, and the text waits for the next
+byte. A stop string can span tokens: the last ``len(longest stop) - 1`` characters are held
+back while a stop string could still complete there, so a stop string is always found in
+text that has not been released, and text never includes any part of it.
 """
 
 from __future__ import annotations
@@ -17,31 +24,41 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.emitted = 0  # characters of the text already released
+        self.prefix = 0  # window start: tokens before it are fully released
+        self.read = 0  # tokens whose text is in released + pending
+        self.pending = ""  # decoded, not yet released (held for stop strings)
         self.stopped = False
 
-    def text(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+
+    def _new_text(self, final: bool) -> str:
+        """Text of the tokens after ``read``; empty while it ends inside a character."""
+        if self.read == len(self.token_ids):
+            return ""
+        before = self._decode(self.prefix, self.read)
+        after = self._decode(self.prefix, len(self.token_ids))
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""  # no visible text yet, or an incomplete UTF-8 sequence
+        self.prefix, self.read = self.read, len(self.token_ids)
+        return after[len(before) :]
 
     def add(self, new_token_ids: Sequence[int], final: bool = False) -> str:
         """Add tokens; return the newly releasable text (everything, when ``final``)."""
         if self.stopped:
             return ""
         self.token_ids.extend(new_token_ids)
-        text = self.text()
+        self.pending += self._new_text(final)
         cut = None
         for s in self.stop:
-            pos = text.find(s, max(0, self.emitted - len(s)))
+            pos = self.pending.find(s)
             if pos != -1 and (cut is None or pos < cut):
                 cut = pos
         if cut is not None:
             self.stopped = True
-            out, self.emitted = text[self.emitted : cut], cut
+            out, self.pending = self.pending[:cut], ""
             return out
-        end = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
-            end = max(self.emitted, end - self.hold)
-        out, self.emitted = text[self.emitted : end], max(self.emitted, end)
+        keep = 0 if final else self.hold
+        release = max(0, len(self.pending) - keep)
+        out, self.pending = self.pending[:release], self.pending[release:]
         return out

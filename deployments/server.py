@@ -278,15 +278,19 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
             text, last = "", first
             if first is not None:
                 text += detok.add(first.new_token_ids, final=first.finished)
-                async for out in gen:
-                    text += detok.add(out.new_token_ids, final=out.finished)
-                    last = out
+                if not detok.stopped:
+                    async for out in gen:
+                        text += detok.add(out.new_token_ids, final=out.finished)
+                        last = out
+                        if detok.stopped:  # the text reached a stop string: stop generating
+                            break
+                await gen.aclose()
             usage = Usage(
                 prompt_tokens=len(prompt_ids),
                 completion_tokens=last.num_output_tokens if last else 0,
                 total_tokens=len(prompt_ids) + (last.num_output_tokens if last else 0),
             )
-            finish = last.finish_reason if last else "length"
+            finish = "stop" if detok.stopped else (last.finish_reason if last else "length")
             if chat:
                 return ChatCompletionResponse(
                     id=rid,
@@ -346,6 +350,8 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
                     if piece:
                         yield chunk(piece, None)
                 async for out in gen:
+                    if detok.stopped:
+                        break
                     last = out
                     piece = detok.add(out.new_token_ids, final=out.finished)
                     if piece:
@@ -372,7 +378,7 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
             }
             yield chunk(
                 None if chat else "",
-                last.finish_reason if last else "length",
+                "stop" if detok.stopped else (last.finish_reason if last else "length"),
                 {"usage": usage, "speculation": report(last, args).model_dump()},
             )
             yield "data: [DONE]\n\n"
