@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.common import median, write_result
 from deployments.app import build_app
+from deployments.config import AppConfig
 from specdec.demo.corpus import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,12 +71,15 @@ def start_specserve(max_tokens: int) -> str:
 class Systems:
     """Every system under test, each a callable prompt -> (token ids or text, tokens)."""
 
-    def __init__(self, url: str, max_tokens: int):
+    def __init__(self, url: str, max_tokens: int, dtype: str):
         self.http = httpx.Client(base_url=url, timeout=600)
         self.max_tokens = max_tokens
         self.tok = AutoTokenizer.from_pretrained(MODELS / "demo-target")
-        self.target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft").eval()
+        # The dtype SpecServe computes in (transformers would otherwise pick the stored
+        # bfloat16): the same arithmetic on both sides, so greedy outputs can agree.
+        kw = {"dtype": getattr(torch, dtype)}
+        self.target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target", **kw).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft", **kw).eval()
 
     def specserve(self, prompt: str, speculation: bool) -> tuple[str, int]:
         body = {
@@ -112,8 +116,15 @@ class Systems:
         }
 
 
+def served_dtype() -> str:
+    """The target's compute dtype in ``cluster/serve/demo.yaml`` (the schema's default)."""
+    config = yaml.safe_load((ROOT / "cluster" / "serve" / "demo.yaml").read_text())
+    args = AppConfig.model_validate(config["applications"][0]["args"])
+    return args.engine.target.dtype
+
+
 def run(args) -> dict:
-    systems = Systems(args.url, args.max_tokens)
+    systems = Systems(args.url, args.max_tokens, args.dtype)
     runs = systems.all()
     names = list(runs)
     prompts = [
@@ -199,6 +210,7 @@ def main() -> None:
     if args.url is None:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         args.url = start_specserve(args.max_tokens)
+    args.dtype = served_dtype()
     settings = vars(args) | {
         "serve_config": "cluster/serve/demo.yaml (1 replica)",
         "batch": 1,

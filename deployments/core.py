@@ -104,6 +104,76 @@ class _Sender:
                 logger.exception("could not send to the draft")
 
 
+class _DraftGraph:
+    """The ``compiled_graph`` transport: one Compiled Graph execution per round message.
+
+    The loop thread compiles ``draft.step`` into a graph the first time it messages a
+    draft (the core is the graph's driver) and executes it for each message; the reply,
+    the drafts for the round the message was about, is collected by :meth:`collect`
+    before that round is verified. Replies must be read in order and only once, so a
+    reply that does not come in time breaks the graph: it is torn down and the draft is
+    given up (the frontend replaces a draft that died).
+    """
+
+    MAX_PENDING = 4  # messages without a round in between (admissions, aborts)
+
+    def __init__(self):
+        self._draft = None
+        self._dag = None
+        self._refs: list = []  # CompiledDAGRefs of messages whose reply is not read yet
+        self._early: list[tuple] = []  # replies read before their round needed them
+
+    def execute(self, draft, msg: tuple) -> bool:
+        """Send ``msg`` to ``draft``; False if the graph could not be built or used."""
+        try:
+            if draft is not self._draft:
+                self.teardown()
+                from ray.dag import InputNode
+
+                with InputNode() as inp:
+                    dag = draft.step.bind(inp)
+                self._dag = dag.experimental_compile()
+                self._draft = draft
+            if len(self._refs) >= self.MAX_PENDING:  # bound the replies in flight
+                early = self.collect(time.perf_counter() + 10.0)
+                if early is None:
+                    return False
+                self._early = early
+            self._refs.append(self._dag.execute(msg))
+            return True
+        except Exception:
+            logger.exception("compiled graph to the draft failed")
+            self.teardown()
+            return False
+
+    def collect(self, deadline: float) -> list[tuple] | None:
+        """Every pending reply ``(round_for, items)``, oldest first; None if the graph broke."""
+        replies, self._early = self._early, []
+        try:
+            while self._refs:
+                ref = self._refs.pop(0)
+                replies.append(ref.get(timeout=max(0.0, deadline - time.perf_counter())))
+        except Exception as exc:
+            logger.warning("no reply from the draft through the compiled graph: %r", exc)
+            self.teardown()
+            return None
+        return replies
+
+    def teardown(self) -> None:
+        self._refs.clear()
+        self._early.clear()
+        dag, self._dag, self._draft = self._dag, None, None
+        if dag is not None:  # off the loop: a dead draft's graph may take long to go
+            threading.Thread(target=_teardown, args=(dag,), daemon=True).start()
+
+
+def _teardown(dag) -> None:
+    try:
+        dag.teardown()
+    except Exception:
+        logger.exception("compiled graph teardown failed")
+
+
 class EngineCore:
     """Target model + the scheduling loop of one replica (a threaded Ray actor)."""
 
@@ -116,6 +186,7 @@ class EngineCore:
         eos_token_id: int | None,
         draft_timeout_s: float,
         draft_max_model_len: int | None = None,
+        transport: str = "actor",
     ):
         self.spec = ModelSpec.model_validate(spec)
         self.runner = load_runner(self.spec, max_num_seqs)
@@ -144,6 +215,7 @@ class EngineCore:
         self.error: str | None = None
         self._stopped = False
         self._sender = _Sender()
+        self._graph = _DraftGraph() if transport == "compiled_graph" else None
         self._thread = threading.Thread(target=self._loop_guarded, name="specserve-core")
         self._thread.daemon = True
         self._thread.start()
@@ -197,6 +269,9 @@ class EngineCore:
     @ray.method(concurrency_group="push")
     def push_drafts(self, round_for: int, items: list[tuple]) -> None:
         """Drafts from the draft actor; see the module docstring for the format."""
+        self._store_drafts(round_for, items)
+
+    def _store_drafts(self, round_for: int, items: list[tuple]) -> None:
         with self._cv:
             for seq_id, guess, tokens, q, speculative in items:
                 if guess is None:  # the draft lost track of this sequence
@@ -346,9 +421,11 @@ class EngineCore:
         if not items and not freed:
             return
         self._msg_no += 1
-        self._sender.send(
-            draft.on_round, self._msg_no, first, round_for, items, freed, self._verify_avg
-        )
+        msg = (self._msg_no, first, round_for, items, freed, self._verify_avg)
+        if self._graph is None:
+            self._sender.send(draft.on_round, *msg)
+        elif not self._graph.execute(draft, msg):
+            self._lose_draft(draft)
 
     def _gather(self) -> tuple[dict[Hashable, tuple], float]:
         """Take each running sequence's drafts for this round, waiting for missing ones."""
@@ -356,6 +433,14 @@ class EngineCore:
         found: dict[Hashable, tuple] = {}
         t0 = time.perf_counter()
         deadline = t0 + self.draft_timeout_s
+        if self._graph is not None and need:
+            # Every reply this round needs is in flight: collect them, then wait no more.
+            replies = self._graph.collect(deadline)
+            if replies is None:
+                self._lose_draft(self._draft)
+            for round_for, items in replies or []:
+                self._store_drafts(round_for, items)
+            deadline = t0
         with self._cv:
             while True:
                 for sid in list(need):
@@ -434,6 +519,15 @@ class EngineCore:
         t.draft_wait_s += waited
         t.verify_s += verify_s
         t.total_s += time.perf_counter() - t_round
+
+    def _lose_draft(self, draft) -> None:
+        """The compiled graph to this draft failed: decode target-only until the frontend
+        hands over another draft (its watch on the draft sees a death and replaces it)."""
+        with self._cv:
+            if self._draft is draft:
+                self._draft = None
+        for seq in self._running.values():
+            seq.synced = False
 
     def _output(self, seq: _Seq, new_tokens: list[int]) -> tuple:
         st = seq.state

@@ -153,6 +153,7 @@ class SpecEngine:
                 self.eos_token_id,
                 cfg.faults.draft_timeout_s,
                 self.draft_info.get("max_model_len", draft_len),
+                cfg.transport,
             )
         )
 
@@ -168,6 +169,7 @@ class SpecEngine:
                 spec.speculation_width,
                 spec.mode == "overlap",
                 spec.adaptive_overlap,
+                cfg.transport,
             )
         )
 

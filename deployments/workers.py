@@ -85,7 +85,13 @@ class DraftWorker:
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1}
 
     def __init__(
-        self, spec: dict, max_num_seqs: int, width: int, overlap: bool, adaptive: bool = True
+        self,
+        spec: dict,
+        max_num_seqs: int,
+        width: int,
+        overlap: bool,
+        adaptive: bool = True,
+        transport: str = "actor",
     ):
         self.spec = ModelSpec.model_validate(spec)
         # Branches of the speculation cache are sequences too.
@@ -97,6 +103,10 @@ class DraftWorker:
         self._inbox: dict[int, tuple] = {}
         self._next_no: int | None = None
         self._core = None
+        # compiled_graph transport: drafts go back as the reply to the core's message,
+        # and prepared branches stay here until the next message shows which one hit.
+        self._reply_in_step = transport == "compiled_graph"
+        self._replies: dict[int, tuple] = {}
         self._stop_event = threading.Event()
         self.speculated = 0  # branches prepared
         self.error: str | None = None
@@ -115,13 +125,27 @@ class DraftWorker:
     def on_round(self, msg_no: int, first: bool, *payload) -> None:
         """A round's outcomes from the core (see :mod:`deployments.core` for the format)."""
         with self._cv:
-            if first:  # a new core (or this draft is new to it): start from this message
-                self._inbox = {no: m for no, m in self._inbox.items() if no > msg_no}
-                self._next_no = msg_no
-            elif self._next_no is not None and msg_no < self._next_no:
-                return  # from a core that has been replaced
-            self._inbox[msg_no] = (first, *payload)
-            self._cv.notify_all()
+            self._enqueue(msg_no, first, payload)
+
+    def step(self, msg: tuple) -> tuple[int, list[tuple]]:
+        """The compiled-graph transport's node: a message in, ``(round_for, drafts)`` out."""
+        msg_no, first, round_for, *payload = msg
+        with self._cv:
+            if self._enqueue(msg_no, first, (round_for, *payload)):
+                while msg_no not in self._replies and self.error is None:
+                    self._cv.wait()
+            return self._replies.pop(msg_no, (round_for, []))
+
+    def _enqueue(self, msg_no: int, first: bool, payload: tuple) -> bool:
+        """Queue a message for the loop (caller holds ``_cv``); False if it is stale."""
+        if first:  # a new core (or this draft is new to it): start from this message
+            self._inbox = {no: m for no, m in self._inbox.items() if no > msg_no}
+            self._next_no = msg_no
+        elif self._next_no is not None and msg_no < self._next_no:
+            return False  # from a core that has been replaced
+        self._inbox[msg_no] = (first, *payload)
+        self._cv.notify_all()
+        return True
 
     @ray.method(concurrency_group="io")
     def stats(self) -> dict[str, Any]:
@@ -153,16 +177,28 @@ class DraftWorker:
                 with self._cv:
                     while not self._has_next():
                         self._cv.wait()
-                    msg = self._inbox.pop(self._next_no)
+                    msg_no = self._next_no
+                    msg = self._inbox.pop(msg_no)
                     self._next_no += 1
                     core = self._core
-                self._handle(core, *msg)
+                self._handle(core, msg_no, *msg)
         except Exception as exc:
             logger.exception("draft loop failed")
-            self.error = f"draft loop failure: {exc!r}"
+            with self._cv:
+                self.error = f"draft loop failure: {exc!r}"
+                self._cv.notify_all()
             self._stop_event.set()
 
-    def _handle(self, core, first, round_for, items, freed, verify_s) -> None:
+    def _send(self, core, msg_no: int, round_for: int, items: list[tuple]) -> None:
+        """Drafts for ``round_for`` to the core: the reply of a compiled-graph step, or a push."""
+        if self._reply_in_step:
+            with self._cv:
+                self._replies[msg_no] = (round_for, items)
+                self._cv.notify_all()
+        elif items and core is not None:
+            core.push_drafts.remote(round_for, items)
+
+    def _handle(self, core, msg_no, first, round_for, items, freed, verify_s) -> None:
         drafter = self.drafter
         if first:
             for sid in list(drafter.seqs):
@@ -183,15 +219,15 @@ class DraftWorker:
                 ks.append(k)
                 guesses[sid] = tuple(new_tokens)
         results = drafter.propose(ids, ks)
+        # A pushed branch (actor transport) is at the core already; a reply carries all.
         pushes = [
             _push_item(sid, guesses[sid], d)
             for sid, d in zip(ids, results, strict=True)
-            if not d.speculative
+            if self._reply_in_step or not d.speculative
         ]
         self.width.observe_hits(sum(d.speculative for d in results), len(results))
-        if (pushes or lost) and core is not None:
-            core.push_drafts.remote(round_for, pushes + lost)
-        if not self.overlap or not ids or core is None:
+        self._send(core, msg_no, round_for, pushes + lost)
+        if not self.overlap or not ids or (core is None and not self._reply_in_step):
             return
         budget = self.width.budget(len(ids))
         if not budget:
@@ -201,6 +237,7 @@ class DraftWorker:
         self.width.observe_speculation(time.perf_counter() - t0, verify_s, branches is None)
         if branches:
             self.speculated += len(branches)
-            core.push_drafts.remote(
-                round_for + 1, [_push_item(br.seq_id, br.guess, br.drafts) for br in branches]
-            )
+            if not self._reply_in_step:  # else they wait here for the next message
+                core.push_drafts.remote(
+                    round_for + 1, [_push_item(br.seq_id, br.guess, br.drafts) for br in branches]
+                )

@@ -6,13 +6,15 @@ cache of next-round drafts keyed by the verification outcome; PEARL's post-verif
 ``d_1..d_n`` for a sequence, :meth:`SpeculativeDrafter.speculate` drafts ahead for the
 outcomes it expects, likeliest first, across all sequences within one budget:
 
-* all ``n`` accepted and bonus token ``b``: probability ``alpha^n * pi(b)``;
-* a rejection at position ``j`` with recovered token ``r``: ``alpha^(j-1) (1 - alpha) *
-  pi_j(r) / (1 - pi_j(d_j))``,
+* all ``n`` accepted and bonus token ``b``: probability ``alpha_1 ... alpha_n * pi(b)``;
+* a rejection at position ``j`` with recovered token ``r``: ``alpha_1 ... alpha_(j-1)
+  (1 - alpha_j) * pi_j(r) / (1 - pi_j(d_j))``,
 
-where ``alpha`` is the acceptance rate measured on this draft's own outcomes and ``pi`` the
-draft's raw next-token probabilities. So when all-accept is likely the budget goes to
-bonus candidates, and when early rejections are likely it goes to recovered tokens there.
+where ``alpha_j`` is the acceptance rate at draft position ``j`` measured on this draft's
+own outcomes (a draft that has just been accepted is more likely to be accepted again,
+so the positions differ) and ``pi`` the draft's raw next-token probabilities. So when
+all-accept is likely the budget goes to bonus candidates, and when early rejections are
+likely it goes to recovered tokens there.
 
 Each chosen outcome becomes a branch: a forked draft KV cache whose committed prefix is
 the guessed outcome, drafted with the request's draft random stream. When the real
@@ -77,6 +79,10 @@ class SpeculativeDrafter:
         self._branches: dict[Hashable, list[Branch]] = {}
         self._accepted = 4.0  # decayed sums for alpha_hat = A / (A + R); prior 0.8
         self._rejections = 1.0
+        # Per draft position j: decayed counts of rounds that reached j and that accepted
+        # its draft (prior 0.8); they grow with the longest k seen.
+        self._reached: list[float] = []
+        self._kept: list[float] = []
         self.hits = 0
         self.misses = 0
 
@@ -117,7 +123,20 @@ class SpeculativeDrafter:
                 a += 1
             self._accepted = self.decay * self._accepted + a
             self._rejections = self.decay * self._rejections + (a < n)
+            while len(self._reached) < n:
+                self._reached.append(1.0)
+                self._kept.append(0.8)
+            for j in range(min(n, a + 1)):  # positions 0..a were reached; 0..a-1 accepted
+                self._reached[j] = self.decay * self._reached[j] + 1
+                self._kept[j] = self.decay * self._kept[j] + (j < a)
         seq.output_token_ids.extend(int(t) for t in new_tokens)
+
+    def position_acceptance(self, n: int) -> list[float]:
+        """Measured acceptance rate at draft positions ``0..n-1`` (below 1: no certainty)."""
+        return [
+            min(0.999, self._kept[j] / self._reached[j]) if j < len(self._reached) else 0.8
+            for j in range(n)
+        ]
 
     def _drop_branches(self, seq_id: Hashable) -> None:
         for br in self._branches.pop(seq_id, []):
@@ -191,16 +210,19 @@ class SpeculativeDrafter:
             seq = self.seqs[sid]
             heads.append(SequenceState(sid, seq.token_ids + self._last[sid].tokens, seq.params))
         bonus_ids, bonus_probs = self.proposer.extend(heads, self.top_m)  # [batch, m]
-        alpha = min(self.acceptance, 0.999)
         candidates: list[tuple[float, Hashable, tuple[int, ...]]] = []
         for row, sid in enumerate(look):
             last = self._last[sid]
             n = len(last.tokens)
-            all_accept = alpha**n
+            alphas = self.position_acceptance(n)
+            reach = [1.0]  # reach[j]: probability that verification gets to position j
+            for alpha in alphas:
+                reach.append(reach[-1] * alpha)
+            all_accept = reach[n]
             for b, pb in zip(bonus_ids[row].tolist(), bonus_probs[row].tolist(), strict=True):
                 candidates.append((all_accept * pb, sid, (*last.tokens, b)))
             for j in range(n):
-                reject_here = alpha**j * (1 - alpha)
+                reject_here = reach[j] * (1 - alphas[j])
                 p_draft = 0.0
                 alts = []
                 for t, pt in zip(last.top_ids[j].tolist(), last.top_probs[j].tolist(), strict=True):

@@ -14,6 +14,7 @@ from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET
 
 PROMPTS = [
     [5, 9, 14],
@@ -290,3 +291,37 @@ def test_target_killed_without_restarts_fails_cleanly(ray_local, tiny_target, ti
 
     elapsed, health = asyncio.run(with_engine(cfg, body))
     assert elapsed < 60 and not health["ready"]
+
+
+def test_compiled_graph_transport_is_exact(ray_local):
+    """``transport: compiled_graph`` on the demo pair (its verification is long enough for
+    branches to be ready in time): greedy output equals target-only output, seeded
+    sampling equals the in-process reference, and branches are served as cache hits."""
+    prompts = [[5 + i, 60, 61 + i, 300 + 7 * i] for i in range(6)]
+    target = ModelRunner(DEMO_TARGET)
+    reference = [
+        generate_autoregressive(target, p, GREEDY, seq_id=i).token_ids
+        for i, p in enumerate(prompts)
+    ]
+    draft = DraftModelProposer(ModelRunner(DEMO_DRAFT))
+    seeded_ref = [
+        generate_speculative(target, draft, p, seeded(i), 3, seq_id=f"s{i}").token_ids
+        for i, p in enumerate(prompts)
+    ]
+    spec = {"mode": "overlap", "num_speculative_tokens": 3, "adaptive_overlap": False}
+    cfg = config(DEMO_TARGET, DEMO_DRAFT, speculation=spec, transport="compiled_graph")
+
+    async def body(engine):
+        greedy = await asyncio.gather(*[collect(engine, p, GREEDY) for p in prompts])
+        sampled = await asyncio.gather(
+            *[collect(engine, p, seeded(i)) for i, p in enumerate(prompts)]
+        )
+        return greedy, sampled, await engine.draft.stats.remote()
+
+    greedy, sampled, stats = asyncio.run(with_engine(cfg, body))
+    assert [tokens for tokens, _ in greedy] == reference
+    assert [tokens for tokens, _ in sampled] == seeded_ref
+    hits = sum(last.stats.cache_hits for _, last in greedy + sampled)
+    drafted = sum(last.stats.rounds for _, last in greedy + sampled)
+    print(f"compiled graph: {drafted} drafted rounds, {hits} cache hits")
+    assert 0 < hits < drafted and stats["hits"] == hits
