@@ -411,7 +411,6 @@ class EngineCore:
     def _message(self, round_for: int, items: list[tuple], freed: list[Hashable]) -> None:
         with self._cv:
             draft, first = self._draft, self._draft_first
-            self._draft_first = False
         if draft is None:
             return
         if first:  # a new draft knows nothing: everything is sent in full
@@ -419,7 +418,10 @@ class EngineCore:
                 seq.synced = False
             items = [self._draft_item(seq) for seq in self._running.values() if seq.k > 0]
         if not items and not freed:
-            return
+            return  # (a first message stays first until one is sent: target-only rounds)
+        with self._cv:
+            if self._draft is draft:
+                self._draft_first = False
         self._msg_no += 1
         msg = (self._msg_no, first, round_for, items, freed, self._verify_avg)
         if self._graph is None:

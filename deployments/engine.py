@@ -373,6 +373,10 @@ class SpecEngine:
             self.target = self._spawn_target()
             try:
                 self.target_info = await self._await_ready(self.target)
+                if self.draft is not None and self.config.transport == "compiled_graph":
+                    # The dead core drove the draft's graph loop, which may never end:
+                    # a fresh draft is safer than compiling a second graph onto it.
+                    await self._renew_draft()
                 if self.draft is not None:
                     await self._connect(self.target, self.draft)
                 live = [r.core_item() for r in self._requests.values() if not r.finished]
@@ -382,6 +386,13 @@ class SpecEngine:
                 return True
             except (RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("replacement target failed: %s", exc)
+
+    async def _renew_draft(self) -> None:
+        old = self.draft
+        self.draft = self._spawn_draft()
+        ray.kill(old, no_restart=True)  # its watch sees the death; it is no longer ours
+        self.draft_info = await self._await_ready(self.draft)
+        self._tasks.append(asyncio.create_task(self._watch_draft(self.draft)))
 
     async def _watch_draft(self, draft) -> None:
         """Wait on the draft's watch call: it raises when the actor dies."""

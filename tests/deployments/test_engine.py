@@ -229,11 +229,14 @@ async def _run_with_kill(engine, actor_attr, prompts, params):
     return results
 
 
-@pytest.mark.parametrize("mode", ["sequential", "overlap"])
+@pytest.mark.parametrize(
+    ("mode", "transport"),
+    [("sequential", "actor"), ("overlap", "actor"), ("overlap", "compiled_graph")],
+)
 def test_draft_killed_mid_generation_requests_complete_unchanged(
-    ray_local, tiny_target, tiny_draft, reference, mode
+    ray_local, tiny_target, tiny_draft, reference, mode, transport
 ):
-    cfg = config(tiny_target, tiny_draft, speculation={"mode": mode})
+    cfg = config(tiny_target, tiny_draft, speculation={"mode": mode}, transport=transport)
     prompts = PROMPTS[:4]
 
     async def body(engine):
@@ -254,10 +257,11 @@ def test_draft_killed_mid_generation_requests_complete_unchanged(
     assert last.stats.drafted > 0  # speculation resumed on the new draft
 
 
+@pytest.mark.parametrize("transport", ["actor", "compiled_graph"])
 def test_target_killed_mid_generation_requests_resume(
-    ray_local, tiny_target, tiny_draft, reference
+    ray_local, tiny_target, tiny_draft, reference, transport
 ):
-    cfg = config(tiny_target, tiny_draft)
+    cfg = config(tiny_target, tiny_draft, transport=transport)
     prompts = PROMPTS[:4]
 
     async def body(engine):
@@ -325,3 +329,19 @@ def test_compiled_graph_transport_is_exact(ray_local):
     drafted = sum(last.stats.rounds for _, last in greedy + sampled)
     print(f"compiled graph: {drafted} drafted rounds, {hits} cache hits")
     assert 0 < hits < drafted and stats["hits"] == hits
+
+
+def test_speculation_after_target_only_requests(ray_local, tiny_target, tiny_draft, reference):
+    """A request with speculation, after the engine served only target-only ones, gets
+    drafts at once: the draft's first message is not used up by rounds that sent nothing."""
+    cfg = config(tiny_target, tiny_draft, faults={"draft_timeout_s": 30})
+
+    async def body(engine):
+        off = await collect(engine, PROMPTS[0], GREEDY, speculation=False)
+        # A round without its drafts would wait draft_timeout_s (30 s): fail sooner.
+        on = await asyncio.wait_for(collect(engine, PROMPTS[1], GREEDY), 20)
+        return off, on, await engine.round_timings()
+
+    (off, _), (on, last), timings = asyncio.run(with_engine(cfg, body))
+    assert off == reference[tuple(PROMPTS[0])] and on == reference[tuple(PROMPTS[1])]
+    assert last.stats.drafted > 0 and timings["draft_timeouts"] == 0
