@@ -215,7 +215,8 @@ def main() -> None:
         help="skip overlap mode over a Ray Compiled Graph",
     )
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: three engines of two workers each (the CPU cores are shared).
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
     results = asyncio.run(bench(args))
     path = write_result("pipeline", vars(args) | {"workers_threads": 1}, results)
     plot(results, path.with_suffix(".png"))

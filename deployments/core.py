@@ -17,9 +17,11 @@ in a concurrency group of its own (control, push, poll), so a long-poll never bl
 push, and all of them run while the loop thread is inside torch (which releases the GIL).
 
 Message to the draft (``DraftWorker.on_round``): ``(msg_no, first, round_for, items,
-freed, verify_s)``; an item is ``(seq_id, base_len, new_tokens, k, full_tokens, params)``:
-the sequence had ``base_len`` committed tokens, now also ``new_tokens``; drafts of length
-``k`` are wanted for round ``round_for``. ``full_tokens``/``params`` are set when the draft
+freed, (verify_s, round_s, tokens))``: the mean verify time, and the wall time and the
+committed tokens of the round that just ended (None, 0 after an admission). An item is
+``(seq_id, base_len, new_tokens, k, full_tokens, params)``: the sequence had ``base_len``
+committed tokens, now also ``new_tokens``; drafts of length ``k`` are wanted for round
+``round_for``. ``full_tokens``/``params`` are set when the draft
 must (re)start the sequence from scratch (new sequence, new draft, lost track).
 Pushes back (``push_drafts``): ``(round_for, [(seq_id, guess, tokens, q, speculative)])``:
 drafts for the round in which ``seq_id``'s previous round committed exactly ``guess``.
@@ -408,7 +410,14 @@ class EngineCore:
         seq.synced = True
         return (st.seq_id, 0, list(seq.guess), seq.k_next, st.token_ids, asdict(st.params))
 
-    def _message(self, round_for: int, items: list[tuple], freed: list[Hashable]) -> None:
+    def _message(
+        self,
+        round_for: int,
+        items: list[tuple],
+        freed: list[Hashable],
+        round_s: float | None = None,
+        tokens: int = 0,
+    ) -> None:
         with self._cv:
             draft, first = self._draft, self._draft_first
         if draft is None:
@@ -423,7 +432,8 @@ class EngineCore:
             if self._draft is draft:
                 self._draft_first = False
         self._msg_no += 1
-        msg = (self._msg_no, first, round_for, items, freed, self._verify_avg)
+        stats = (self._verify_avg, round_s, tokens)
+        msg = (self._msg_no, first, round_for, items, freed, stats)
         if self._graph is None:
             self._sender.send(draft.on_round, *msg)
         elif not self._graph.execute(draft, msg):
@@ -511,7 +521,9 @@ class EngineCore:
                     freed.append(st.seq_id)
             elif seq.k > 0:  # target-only requests never concern the draft
                 items.append(self._draft_item(seq))
-        self._message(self._round, items, freed)  # first: the draft starts on it at once
+        # First: the draft starts on it at once.
+        tokens = sum(len(out[1]) for out in outputs)
+        self._message(self._round, items, freed, time.perf_counter() - t_round, tokens)
         self._publish(outputs)
         t = self.timings
         t.rounds += 1

@@ -155,6 +155,7 @@ class DraftWorker:
             "seqs": len(self.drafter.seqs),
             "speculated": self.speculated,
             "width": self.width.width,
+            "goodput": self.width.goodput(),
             "acceptance": self.drafter.acceptance,
             "error": self.error,
         }
@@ -198,7 +199,10 @@ class DraftWorker:
         elif items and core is not None:
             core.push_drafts.remote(round_for, items)
 
-    def _handle(self, core, msg_no, first, round_for, items, freed, verify_s) -> None:
+    def _handle(self, core, msg_no, first, round_for, items, freed, stats) -> None:
+        verify_s, round_s, tokens = stats
+        if round_s is not None:
+            self.width.observe_round(tokens, round_s)
         drafter = self.drafter
         if first:
             for sid in list(drafter.seqs):

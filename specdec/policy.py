@@ -2,20 +2,49 @@
 
 :class:`SpeculationWidth` decides how many outcomes the draft prepares per round while
 the target verifies. Branches are free only while they finish before verification does:
-branches still being drafted when the outcome arrives are dropped, and on a 2-core machine
-drafting during verification also slows the target. So the width follows what happened:
-it grows while speculation finishes with time to spare, shrinks when it was cut short, and
-speculation pauses (re-probed now and then) when the hit rate is too low to pay for it.
+branches still being drafted when the outcome arrives are dropped, and where draft and
+target share a machine (two processes on a 2-core host, or one GPU) drafting during
+verification also slows the target. So nothing here is assumed, it is measured:
+
+* the width grows while speculation finishes with time to spare and shrinks when it was
+  cut short; speculation pauses (re-probed now and then) while its hit rate is too low;
+* whether speculating while verifying pays at all is decided by goodput: per batch-size
+  bucket, committed tokens per second of rounds with and without it, each measured in
+  turn and the one not chosen re-measured every ``compare_every`` rounds. Without it
+  the pipeline is the sequential one (fresh drafts after each outcome), so overlap mode
+  is never slower than sequential mode for long.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def batch_bucket(num_seqs: int) -> int:
+    """Power-of-two bucket of a batch size: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
+    return max(1, num_seqs).bit_length()
+
+
+@dataclass
+class _Bucket:
+    """Goodput bookkeeping of one batch-size bucket."""
+
+    rounds: int = 0  # rounds observed
+    rates: dict[bool, float] = field(default_factory=dict)  # speculating? -> tokens/s
+    choice: bool | None = None  # the choice of the rounds now running
+    measuring: bool = False  # the current choice runs for a measurement of fixed length
+    left: int = 0  # rounds of the measurement still to observe
+    next_compare: int = 0  # round at which the choice not taken is measured again
+    skip: bool = False  # the next observed round is the first under a new choice
+    tokens: float = 0.0  # decayed sums over the current choice's rounds
+    seconds: float = 0.0
+    counted: int = 0  # rounds in those sums
 
 
 @dataclass
 class SpeculationWidth:
-    """Branches per sequence to prepare next round (additive increase, cut on overrun)."""
+    """Branches per sequence to prepare next round (additive increase, cut on overrun),
+    or none where measured goodput says speculating during verification does not pay."""
 
     max_width: int
     adaptive: bool = True
@@ -23,9 +52,14 @@ class SpeculationWidth:
     probe_every: int = 32  # while paused, speculate once every this many rounds
     slack: float = 0.6  # grow only if speculation took under this share of verification
     decay: float = 0.9
+    compare_every: int = 200  # rounds between re-measurements of the choice not taken
+    compare_rounds: int = 10  # rounds one measurement lasts (the first is not counted)
+    goodput_decay: float = 0.97  # per round, for the choice that keeps running
     width: int = 0
     hit_rate: float = 0.5
     _paused_rounds: int = 0
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)
+    _last: _Bucket | None = None  # the bucket of the round now running
 
     def __post_init__(self) -> None:
         self.width = self.max_width
@@ -36,11 +70,68 @@ class SpeculationWidth:
             return 0
         if not self.adaptive:
             return self.max_width * num_seqs
+        if not self.should_speculate(num_seqs):
+            return 0
         if self.hit_rate < self.min_hit_rate:
             self._paused_rounds += 1
             if self._paused_rounds % self.probe_every:
                 return 0
         return self.width * num_seqs
+
+    def should_speculate(self, num_seqs: int) -> bool:
+        """Measure both choices first, then take the better one, now and then measuring
+        the other again (conditions change: load, batch mix, a new draft)."""
+        b = self._buckets.setdefault(batch_bucket(num_seqs), _Bucket())
+        self._last = b
+        if not b.measuring:
+            missing = [c for c in (True, False) if c not in b.rates]
+            if missing:
+                self._switch(b, missing[0], measure=True)
+                b.next_compare = b.rounds + self.compare_every
+            else:
+                best = b.rates[True] >= b.rates[False]
+                if b.rounds >= b.next_compare:
+                    self._switch(b, not best, measure=True)
+                    b.next_compare = b.rounds + self.compare_every
+                elif b.choice != best:
+                    self._switch(b, best, measure=False)
+        return bool(b.choice)
+
+    def _switch(self, b: _Bucket, choice: bool, measure: bool) -> None:
+        b.measuring, b.left = measure, self.compare_rounds
+        if b.choice != choice:
+            b.choice, b.skip = choice, True
+            b.tokens = b.seconds = 0.0
+            b.counted = 0
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        """The round that ran under the last :meth:`budget` committed ``tokens`` in
+        ``seconds`` (wall time of the round in the engine core)."""
+        b = self._last
+        if not self.adaptive or b is None or b.choice is None or seconds <= 0:
+            return
+        b.rounds += 1
+        if b.measuring:
+            b.left -= 1
+        if b.skip:  # its drafts were prepared, or not, under the previous choice
+            b.skip = False
+        else:
+            b.tokens = self.goodput_decay * b.tokens + tokens
+            b.seconds = self.goodput_decay * b.seconds + seconds
+            b.counted += 1
+            if not b.measuring and b.counted >= 4:  # the running choice, kept up to date
+                b.rates[b.choice] = b.tokens / b.seconds
+        if b.measuring and b.left <= 0:
+            if b.counted:
+                b.rates[b.choice] = b.tokens / b.seconds
+            b.measuring = False
+
+    def goodput(self) -> dict[int, dict[str, float]]:
+        """Measured tokens/s per batch bucket, with and without speculation (for stats)."""
+        return {
+            bucket: {("on" if c else "off"): round(r, 2) for c, r in b.rates.items()}
+            for bucket, b in self._buckets.items()
+        }
 
     def observe_speculation(self, elapsed_s: float, verify_s: float | None, cut: bool) -> None:
         """How the last speculation went: its time, the verify time, whether it was cut."""
