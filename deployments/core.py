@@ -199,6 +199,7 @@ class EngineCore:
         self._cv = threading.Condition()  # guards everything the calls hand to the loop
         self._new: list[tuple] = []
         self._aborts: set[Hashable] = set()
+        self._seq_ids: set[Hashable] = set()  # every request added and not yet ended
         self._pushes: dict[Hashable, dict[tuple, tuple]] = {}
         self._resync: set[Hashable] = set()
         self._draft = None
@@ -215,6 +216,7 @@ class EngineCore:
         self._verify_avg: float | None = None
         self.timings = RoundTimings()
         self.error: str | None = None
+        self.failed_requests = 0  # failed alone, each with its own error (see _fail)
         self._stopped = False
         self._sender = _Sender()
         self._graph = _DraftGraph() if transport == "compiled_graph" else None
@@ -235,6 +237,11 @@ class EngineCore:
         with self._cv:
             if self.error:
                 raise RuntimeError(self.error)
+            ids = [item[0] for item in items]
+            taken = [sid for sid in ids if sid in self._seq_ids]
+            if taken or len(set(ids)) != len(ids):
+                raise ValueError(f"request ids already in use: {taken or ids}")
+            self._seq_ids.update(ids)
             self._new.extend(items)
             self._cv.notify_all()
 
@@ -260,11 +267,19 @@ class EngineCore:
         return out
 
     @ray.method(concurrency_group="control")
+    def seq_ids(self) -> dict[str, list]:
+        """Sequences the loop runs and those whose KV the target holds (equal unless a
+        path leaks a slot; checked by the fault tests)."""
+        with self._cv:
+            return {"running": list(self._running), "runner": list(self.runner.seq_ids)}
+
+    @ray.method(concurrency_group="control")
     def health(self) -> dict[str, Any]:
         return {
             "running": len(self._running),
             "waiting": len(self._waiting) + len(self._new),
             "error": self.error,
+            "failed_requests": self.failed_requests,
             "loop_alive": self._thread.is_alive(),
         }
 
@@ -328,6 +343,8 @@ class EngineCore:
         freed = []
         if aborts:
             self._waiting = [it for it in self._waiting if it[0] not in aborts]
+            with self._cv:
+                self._seq_ids -= aborts - self._running.keys()
             for sid in aborts:
                 seq = self._running.get(sid)
                 if seq is not None:
@@ -342,49 +359,98 @@ class EngineCore:
         with self._cv:
             self._pushes.pop(sid, None)
             self._resync.discard(sid)
+            self._seq_ids.discard(sid)
 
     def _admit(self, freed: list[Hashable]) -> None:
         """Prefill waiting requests up to max_num_seqs and publish their first tokens."""
         room = self.max_num_seqs - len(self._running)
         batch, self._waiting = self._waiting[:room], self._waiting[room:]
         items: list[tuple] = []
-        if batch:
-            outputs = []
-            ids, feeds, fresh = [], [], []
+        for sid in self._isolated(batch, self._prefill):
+            seq = self._running[sid]
+            if seq.state.finished:
+                self._free(sid)
+            elif seq.k > 0:
+                items.append(self._draft_item(seq))
+        if items or freed:
+            self._message(self._round, items, freed)
+
+    def _isolated(self, batch: list, step) -> list:
+        """``step(batch)``; if it fails, each item alone, failing only those that fail alone.
+
+        ``step`` is all-or-nothing (it leaves no state behind when it raises) and returns
+        what succeeded; an item of ``batch`` starts with its sequence id.
+        """
+        if not batch:
+            return []
+        try:
+            return step(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0][0], exc)
+                return []
+        done = []
+        for item in batch:
+            try:
+                done += step([item])
+            except Exception as exc:
+                self._fail(item[0], exc)
+        return done
+
+    def _prefill(self, batch: list[tuple]) -> list[Hashable]:
+        """Start ``batch``'s sequences (all or none) and publish their first tokens."""
+        seqs, feeds = [], []
+        try:
             for sid, prompt, output, params, k in batch:
                 state = SequenceState(sid, list(prompt), SamplingParams(**params))
                 state.output_token_ids = list(output)
-                seq = _Seq(state, k)
                 self.runner.add(sid)
-                self._running[sid] = seq
-                ids.append(sid)
-                tokens = state.token_ids
-                feeds.append(tokens if not output else tokens[:-1])
-                fresh.append(not output)
+                seqs.append(_Seq(state, k))
+                # A resumed request already has its newest token: it is fed next round.
+                feeds.append(state.token_ids if not output else state.token_ids[:-1])
+            ids = [seq.state.seq_id for seq in seqs]
             logits = self.runner.forward_padded(ids, feeds, last_only=True)  # [batch, vocab]
-            rows = [i for i, f in enumerate(fresh) if f]
-            if rows:
-                states = [self._running[ids[i]].state for i in rows]
-                firsts = sample_next(
-                    logits[rows], [s.params for s in states], [s.verify_generator for s in states]
+            fresh = [i for i, seq in enumerate(seqs) if not seq.state.output_token_ids]
+            firsts = (
+                sample_next(
+                    logits[fresh],
+                    [seqs[i].state.params for i in fresh],
+                    [seqs[i].state.verify_generator for i in fresh],
                 )
-                for i, tok in zip(rows, firsts, strict=True):
-                    seq = self._running[ids[i]]
-                    seq.state.append([tok], self.eos_token_id)
-                    seq.guess = (tok,)
-                    outputs.append(self._output(seq, [tok]))
-            for i, sid in enumerate(ids):
-                seq = self._running[sid]
-                if not fresh[i]:
-                    seq.guess = (seq.state.last_token_id,)
-                if seq.state.finished:
-                    self._free(sid)
-                    continue
-                if seq.k > 0:
-                    items.append(self._draft_item(seq))
-            self._publish(outputs)
-        if items or freed:
-            self._message(self._round, items, freed)
+                if fresh
+                else []
+            )
+        except Exception:
+            for seq in seqs:
+                self.runner.free(seq.state.seq_id)
+            raise
+        outputs = []
+        for seq in seqs:
+            self._running[seq.state.seq_id] = seq
+            seq.guess = (seq.state.last_token_id,) if seq.state.output_token_ids else ()
+        for i, tok in zip(fresh, firsts, strict=True):
+            seqs[i].state.append([tok], self.eos_token_id)
+            seqs[i].guess = (tok,)
+            outputs.append(self._output(seqs[i], [tok]))
+        self._publish(outputs)
+        return ids
+
+    def _fail(self, sid: Hashable, exc: BaseException) -> None:
+        """Fail one request alone: free its state here, tell the draft, tell its client."""
+        logger.warning("request %r failed: %r", sid, exc)
+        self.failed_requests += 1
+        seq = self._running.get(sid)
+        if seq is not None:
+            self._free(sid)
+            if seq.k > 0:
+                self._message(self._round, [], [sid])
+        else:
+            with self._cv:
+                self._seq_ids.discard(sid)
+        stats = tuple(seq.stats) if seq is not None else (0, 0, 0, 0)
+        n_out = len(seq.state.output_token_ids) if seq is not None else 0
+        error = f"request failed in the engine core: {type(exc).__name__}: {exc}"
+        self._publish([(sid, [], True, "error", n_out, stats, error)])
 
     def _k_for(self, seq: _Seq) -> int:
         """Draft length for the next round: never past max_tokens or either model's context."""
@@ -495,20 +561,21 @@ class EngineCore:
                 seq.stats[2] += 1
                 seq.stats[3] += int(speculative)
         t_verify = time.perf_counter()
-        ids = [seq.state.seq_id for seq in seqs]
-        cached = [self.runner.length(sid) for sid in ids]
-        logits = self.runner.forward_padded(ids, feeds)  # [batch, k + 1, vocab]
-        results = verify_rows(logits, rows)
-        for sid, c, (_tokens, a) in zip(ids, cached, results, strict=True):
-            self.runner.rollback(sid, c + 1 + a)
+        batch = [
+            (seq.state.seq_id, feed, row) for seq, feed, row in zip(seqs, feeds, rows, strict=True)
+        ]
+        results = dict(self._isolated(batch, self._verify))
         verify_s = time.perf_counter() - t_verify
         self._verify_avg = (
             verify_s if self._verify_avg is None else (0.8 * self._verify_avg + 0.2 * verify_s)
         )
         self._round += 1
         items, freed, outputs = [], [], []
-        for seq, row, (tokens, a) in zip(seqs, rows, results, strict=True):
+        for seq, row in zip(seqs, rows, strict=True):
             st = seq.state
+            if st.seq_id not in results:  # failed alone (and freed)
+                continue
+            tokens, a = results[st.seq_id]
             seq.base_len = len(st.prompt_token_ids) + len(st.output_token_ids)
             kept = st.append(tokens, self.eos_token_id)
             seq.guess = tuple(tokens[:kept])
@@ -542,6 +609,27 @@ class EngineCore:
                 self._draft = None
         for seq in self._running.values():
             seq.synced = False
+
+    def _verify(self, batch: list[tuple]) -> list[tuple[Hashable, tuple[list[int], int]]]:
+        """One target pass over ``(seq_id, feed, VerifyRow)`` items; all or nothing."""
+        ids = [sid for sid, _, _ in batch]
+        cached = [self.runner.length(sid) for sid in ids]
+        # A seeded row retried alone must draw the same numbers as it would have.
+        gens = [row.generator for _, _, row in batch if row.generator is not None]
+        states = [gen.get_state() for gen in gens]
+        try:
+            # [batch, k + 1, vocab]
+            logits = self.runner.forward_padded(ids, [feed for _, feed, _ in batch])
+            results = verify_rows(logits, [row for _, _, row in batch])
+        except Exception:
+            for sid, c in zip(ids, cached, strict=True):  # the pass may have advanced them
+                self.runner.rollback(sid, c)
+            for gen, state in zip(gens, states, strict=True):
+                gen.set_state(state)
+            raise
+        for sid, c, (_tokens, a) in zip(ids, cached, results, strict=True):
+            self.runner.rollback(sid, c + 1 + a)
+        return list(zip(ids, results, strict=True))
 
     def _output(self, seq: _Seq, new_tokens: list[int]) -> tuple:
         st = seq.state

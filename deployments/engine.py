@@ -222,6 +222,14 @@ class SpecEngine:
         """The core's per-round split (verify, draft waits, overhead), summed over rounds."""
         return await self.target.get_timings.remote(reset)
 
+    async def seq_ids(self) -> dict[str, Any]:
+        """What each worker holds, for leak checks: see EngineCore/DraftWorker.seq_ids."""
+        out: dict[str, Any] = {"requests": sorted(map(str, self._requests))}
+        out["target"] = await self.target.seq_ids.remote()
+        if self.draft is not None:
+            out["draft"] = await self.draft.seq_ids.remote()
+        return out
+
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -267,6 +275,8 @@ class SpecEngine:
         if not speculation or self.config.draft is None:
             k = 0
         rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
         req = _Request(rid, list(prompt_token_ids), params, k, asyncio.Queue())
         self._requests[rid] = req
         try:

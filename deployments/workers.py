@@ -160,6 +160,16 @@ class DraftWorker:
             "error": self.error,
         }
 
+    @ray.method(concurrency_group="io")
+    def seq_ids(self) -> dict[str, list]:
+        """Sequences the drafter tracks, and every sequence (branches included) whose KV
+        the draft model holds."""
+        with self._cv:
+            return {
+                "drafter": list(self.drafter.seqs),
+                "runner": list(self.runner.seq_ids),
+            }
+
     @ray.method(concurrency_group="watch")
     def watch(self) -> str | None:
         """Returns only if the loop thread failed; the caller learns of death by an error."""

@@ -52,8 +52,8 @@ class SpeculationWidth:
     probe_every: int = 32  # while paused, speculate once every this many rounds
     slack: float = 0.6  # grow only if speculation took under this share of verification
     decay: float = 0.9
-    compare_every: int = 200  # rounds between re-measurements of the choice not taken
-    compare_rounds: int = 10  # rounds one measurement lasts (the first is not counted)
+    compare_every: int = 256  # rounds between re-measurements of the choice not taken
+    compare_rounds: int = 6  # rounds one measurement lasts (the first is not counted)
     goodput_decay: float = 0.97  # per round, for the choice that keeps running
     width: int = 0
     hit_rate: float = 0.5

@@ -68,6 +68,10 @@ class ModelRunner:
     def num_seqs(self) -> int:
         return len(self._slot)
 
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        return list(self._slot)
+
     def add(self, seq_id: Hashable) -> None:
         """Register a new, empty sequence."""
         if seq_id in self._slot:

@@ -345,3 +345,61 @@ def test_speculation_after_target_only_requests(ray_local, tiny_target, tiny_dra
     (off, _), (on, last), timings = asyncio.run(with_engine(cfg, body))
     assert off == reference[tuple(PROMPTS[0])] and on == reference[tuple(PROMPTS[1])]
     assert last.stats.drafted > 0 and timings["draft_timeouts"] == 0
+
+
+def test_a_failing_request_fails_alone_and_leaks_nothing(
+    ray_local, tiny_target, tiny_draft, reference
+):
+    """Requests that make the target fail (sent straight to the engine core, past the
+    frontend's checks): an out-of-vocabulary token at prefill, and a sequence that runs
+    past the context in the middle of a round. Each fails alone; the requests beside them
+    finish unchanged; afterwards no worker holds a sequence that no request owns."""
+    cfg = config(tiny_target, tiny_draft, speculation={"mode": "overlap"})
+    greedy = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+
+    async def body(engine):
+        normal = [asyncio.ensure_future(collect(engine, p, GREEDY)) for p in PROMPTS[:4]]
+        await asyncio.sleep(0.05)
+        await engine.target.add_requests.remote(
+            [
+                ("bad-token", [5, 10**6, 7], [], greedy, 3),
+                ("past-context", list(range(3, 90)) * 5 + [4] * 60, [], greedy, 3),
+            ]
+        )
+        results = await asyncio.gather(*normal)
+        deadline = time.monotonic() + 30
+        while True:
+            held = await engine.seq_ids()
+            if not held["target"]["running"] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        again, _ = await collect(engine, PROMPTS[5], GREEDY)
+        return results, held, again, engine.health(), await engine.target.health.remote()
+
+    results, held, again, health, core = asyncio.run(with_engine(cfg, body))
+    assert core["failed_requests"] == 2 and core["loop_alive"]
+    for prompt, (tokens, last) in zip(PROMPTS[:4], results, strict=True):
+        assert tokens == reference[tuple(prompt)] and last.finish_reason == "length"
+    assert held["requests"] == []
+    assert held["target"] == {"running": [], "runner": []}
+    assert held["draft"] == {"drafter": [], "runner": []}
+    assert again == reference[tuple(PROMPTS[5])]
+    assert health["ready"] and health["error"] is None
+
+
+def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
+    cfg = config(tiny_target, tiny_draft)
+
+    async def body(engine):
+        first = asyncio.ensure_future(collect(engine, PROMPTS[0], GREEDY, request_id="same"))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(engine, PROMPTS[1], GREEDY, request_id="same")
+        with pytest.raises(ray.exceptions.RayTaskError, match="already in use"):
+            await engine.target.add_requests.remote(
+                [("twice", [5], [], {"max_tokens": 4}, 0), ("twice", [6], [], {"max_tokens": 4}, 0)]
+            )
+        return await first
+
+    tokens, last = asyncio.run(with_engine(cfg, body))
+    assert len(tokens) == GREEDY.max_tokens and last.finished
