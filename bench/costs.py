@@ -2,7 +2,8 @@
 
     python -m bench.costs        # writes bench/results/costs.json and costs.png
 
-Two ratios, measured side by side and interleaved (rep by rep) on the demo pair:
+Two ratios, measured side by side and interleaved (rep by rep) on the demo pair, each the
+median over reps of the ratio within a rep (a shared machine drifts between reps):
 
 * target-only decoding: one step of the engine core's path (``ModelRunner.forward_padded``
   on the slot KV cache, :func:`specdec.verify.verify_rows`, rollback) against a bare
@@ -95,11 +96,16 @@ def run(args) -> dict:
             draft_steps(MODELS / "demo-draft", prompt, 20, args.k, args.dtype)
         )
     ms = {name: round(median(v) * 1e3, 3) for name, v in samples.items()}
+
+    def ratio(model: str) -> float:  # median over reps of the ratio within a rep
+        pairs = zip(samples[f"{model}_worker"], samples[f"{model}_bare"], strict=True)
+        return round(median([w / b for w, b in pairs]), 3)
+
     return {
         "ms_per_token": ms,
         "ratios": {
-            "target_worker_vs_bare": round(ms["target_worker"] / ms["target_bare"], 3),
-            "draft_worker_vs_bare": round(ms["draft_worker"] / ms["draft_bare"], 3),
+            "target_worker_vs_bare": ratio("target"),
+            "draft_worker_vs_bare": ratio("draft"),
         },
         "samples_ms": {n: [round(x * 1e3, 3) for x in v] for n, v in samples.items()},
     }

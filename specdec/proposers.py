@@ -138,14 +138,16 @@ class DraftModelProposer(Proposer):
             if should_stop is not None and should_stop():
                 return None
             logits = self.runner.forward_padded(ids, feed, last_only=True)  # [batch, vocab]
-            tokens = logits.argmax(dim=-1)  # [batch]; replaced below on sampled rows
+            if top_m:  # the likeliest token heads the top-m: no separate argmax
+                top_ids[:, i], top_p[:, i] = _top(logits, top_m)
+                tokens = top_ids[:, i, 0].clone()  # [batch]; replaced below on sampled rows
+            else:
+                tokens = logits.argmax(dim=-1)
             if sampled:
                 q = probs_for(sampled_params, logits[sampled])  # [s, vocab]
                 gens = [seqs[row].draft_generator_at(start[row] + i) for row in sampled]
                 tokens[sampled] = sample(q, gens)
                 probs[sampled, i] = q
-            if top_m:
-                top_ids[:, i], top_p[:, i] = _top(logits, top_m)
             draft[:, i] = tokens
             for row, sid in enumerate(ids):
                 self._cached[sid].extend(feed[row])

@@ -204,7 +204,9 @@ class ModelRunner:
             write_start=starts[0] if same_start else None,
         )
         kwargs = {}
-        if last_only:
+        if last_only and min(ns) == n:
+            kwargs["logits_to_keep"] = 1  # every row ends at the last position: a slice
+        elif last_only:
             keep = torch.tensor(ns, dtype=torch.long, device=dev)[:, None] - 1  # [batch, 1]
             kwargs["logits_to_keep"] = keep
         try:
