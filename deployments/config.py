@@ -91,6 +91,15 @@ class SpeculationConfig(_Strict):
     max_speculative_tokens: int = Field(
         default=8, ge=0, le=16, description="Upper bound on k for per-request overrides."
     )
+    draft_confidence_threshold: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dynamic draft length: a row stops drafting after the first token the "
+        "draft gives less than this probability, so num_speculative_tokens becomes a maximum "
+        "(transformers' assisted generation uses 0.4). Exact: the rule sees only the draft. "
+        "0 always drafts num_speculative_tokens.",
+    )
     mode: Literal["sequential", "overlap"] = Field(
         default="overlap",
         description="'sequential': draft, then verify. 'overlap': the draft prepares the next "

@@ -170,6 +170,7 @@ class SpecEngine:
                 spec.mode == "overlap",
                 spec.adaptive_overlap,
                 cfg.transport,
+                spec.draft_confidence_threshold,
             )
         )
 
@@ -256,6 +257,18 @@ class SpecEngine:
         sched = self.config.scheduler
         if len(self._requests) >= sched.max_num_seqs + sched.max_waiting:
             raise EngineOverloadedError("too many requests waiting; retry later")
+        vocab = self.target_info["vocab_size"]
+        if not prompt_token_ids or any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            for t in prompt_token_ids
+        ):
+            raise ValueError(
+                f"prompt token ids must be a non-empty list of integers in [0, {vocab})"
+            )
+        if params.top_k > vocab:
+            raise ValueError(
+                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab}"
+            )
         max_len = self.target_info["max_model_len"]
         if len(prompt_token_ids) + params.max_tokens > max_len:
             raise ValueError(

@@ -160,6 +160,15 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise _bad("stop must be up to 4 non-empty strings", "invalid_value", "stop")
+        for s in stop:
+            check_text(s, "stop")
+        vocab = engine.target_info["vocab_size"]
+        if req.top_k > vocab:
+            raise _bad(
+                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab}",
+                "invalid_value",
+                "top_k",
+            )
         context = engine.target_info["max_model_len"]
         room = context - prompt_len
         if room < 1:
@@ -249,10 +258,22 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
             first = None
         return first
 
+    def check_text(text: str, param: str) -> None:
+        """JSON may carry lone UTF-16 surrogates (``"\\ud800"``): no tokenizer takes them."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _bad(
+                f"{param} is not valid Unicode text (lone surrogate at {exc.start})",
+                "invalid_value",
+                param,
+            ) from None
+
     def encode_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise _bad("prompt must not be empty", "invalid_value", "prompt")
+            check_text(prompt, "prompt")
             return tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not prompt:
             raise _bad("prompt must not be empty", "invalid_value", "prompt")
@@ -263,6 +284,14 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
 
     def encode_chat(req: ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump() for m in req.messages]
+        for i, m in enumerate(messages):
+            check_text(m["content"], f"messages.{i}.content")
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise _bad(
+                "this model has no chat template: use /v1/completions",
+                "unsupported_value",
+                "messages",
+            )
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )

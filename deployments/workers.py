@@ -92,11 +92,12 @@ class DraftWorker:
         overlap: bool,
         adaptive: bool = True,
         transport: str = "actor",
+        min_confidence: float = 0.0,
     ):
         self.spec = ModelSpec.model_validate(spec)
         # Branches of the speculation cache are sequences too.
         self.runner = load_runner(self.spec, max_num_seqs * (1 + width))
-        self.drafter = SpeculativeDrafter(DraftModelProposer(self.runner))
+        self.drafter = SpeculativeDrafter(DraftModelProposer(self.runner, min_confidence))
         self.overlap = overlap and width > 0
         self.width = SpeculationWidth(width, adaptive=adaptive)
         self._cv = threading.Condition()

@@ -56,8 +56,16 @@ class DraftModelProposer(Proposer):
 
     kind: ProposalKind = "probs"
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, min_confidence: float = 0.0):
+        """``min_confidence`` > 0 ends a row's drafts at the first token the draft itself
+        gives less than this probability (that token is still proposed), as transformers'
+        assisted generation does: a confident draft proposes long runs, a doubtful one
+        stops early. The rule looks only at the draft's own randomness, never at the
+        target's, so verification stays exact with a variable number of drafts per row."""
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.runner = runner
+        self.min_confidence = min_confidence
         self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
 
     def free(self, seq_id: Hashable) -> None:
@@ -114,8 +122,9 @@ class DraftModelProposer(Proposer):
         top_m: int = 0,
         should_stop: Callable[[], bool] | None = None,
     ) -> Proposal | None:
-        """``k`` drafts per sequence; with ``top_m``, also the draft's ``top_m`` likeliest
-        tokens at each position (for guessing verification outcomes).
+        """``k`` drafts per sequence (fewer where ``min_confidence`` ends a row early:
+        ``num_draft_tokens``); with ``top_m``, also the draft's ``top_m`` likeliest tokens
+        at each position (for guessing verification outcomes).
 
         ``should_stop`` is checked before each draft step; when it says so, drafting ends
         and None is returned (the caches keep what was fed and resynchronise next time).
@@ -126,35 +135,50 @@ class DraftModelProposer(Proposer):
         batch = len(seqs)
         ids = [s.seq_id for s in seqs]
         params = [s.params for s in seqs]
-        sampled = [row for row, sp in enumerate(params) if not sp.is_greedy]
         start = [len(s.token_ids) for s in seqs]  # absolute index of each row's first draft
         draft = torch.zeros(batch, k, dtype=torch.long)
-        probs = torch.zeros(batch, k, self.runner.vocab_size) if sampled else None
+        counts = torch.full((batch,), k, dtype=torch.long)
+        sampling = any(not sp.is_greedy for sp in params)
+        probs = torch.zeros(batch, k, self.runner.vocab_size) if sampling else None
         top_ids = torch.zeros(batch, k, top_m, dtype=torch.long) if top_m else None
         top_p = torch.zeros(batch, k, top_m) if top_m else None
-        sampled_params = [params[row] for row in sampled]
         feed = [self._sync(s) for s in seqs]
+        active = list(range(batch))  # rows still drafting
         for i in range(k):
             if should_stop is not None and should_stop():
                 return None
-            logits = self.runner.forward_padded(ids, feed, last_only=True)  # [batch, vocab]
+            rows = slice(None) if len(active) == batch else torch.tensor(active)
+            logits = self.runner.forward_padded(
+                [ids[r] for r in active], [feed[r] for r in active], last_only=True
+            )  # [active, vocab]
+            lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
             if top_m:  # the likeliest token heads the top-m: no separate argmax
-                top_ids[:, i], top_p[:, i] = _top(logits, top_m)
-                tokens = top_ids[:, i, 0].clone()  # [batch]; replaced below on sampled rows
+                values, index = logits.topk(top_m, dim=-1)  # [active, m]
+                top_ids[rows, i], top_p[rows, i] = index, (values - lse).exp()
+                tokens = index[:, 0].clone()  # [active]; replaced below on sampled rows
             else:
                 tokens = logits.argmax(dim=-1)
+            sampled = [j for j, r in enumerate(active) if not params[r].is_greedy]
             if sampled:
-                q = probs_for(sampled_params, logits[sampled])  # [s, vocab]
-                gens = [seqs[row].draft_generator_at(start[row] + i) for row in sampled]
+                q = probs_for([params[active[j]] for j in sampled], logits[sampled])  # [s, vocab]
+                gens = [seqs[active[j]].draft_generator_at(start[active[j]] + i) for j in sampled]
                 tokens[sampled] = sample(q, gens)
-                probs[sampled, i] = q
-            draft[:, i] = tokens
-            for row, sid in enumerate(ids):
-                self._cached[sid].extend(feed[row])
-            feed = [[t] for t in tokens.tolist()]
-        return Proposal(
-            draft, torch.full((batch,), k, dtype=torch.long), probs, self.kind, top_ids, top_p
-        )
+                probs[[active[j] for j in sampled], i] = q
+            draft[rows, i] = tokens
+            for r in active:
+                self._cached[ids[r]].extend(feed[r])
+            for r, t in zip(active, tokens.tolist(), strict=True):
+                feed[r] = [t]
+            if self.min_confidence and i + 1 < k:
+                # The draft's raw probability of the token it proposed, row by row.
+                conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp().tolist()
+                for r, c in zip(active, conf, strict=True):
+                    if c < self.min_confidence:
+                        counts[r] = i + 1
+                active = [r for r, c in zip(active, conf, strict=True) if c >= self.min_confidence]
+                if not active:
+                    break
+        return Proposal(draft, counts, probs, self.kind, top_ids, top_p)
 
 
 def _top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

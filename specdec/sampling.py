@@ -58,9 +58,11 @@ class SamplingParams:
         elif self.top_k < -1:
             errors.append(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not 0 <= self.seed < 2**63
         ):
-            errors.append(f"seed must be an integer or None, got {self.seed!r}")
+            errors.append(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         if (
             not isinstance(self.max_tokens, int)
             or isinstance(self.max_tokens, bool)

@@ -76,6 +76,7 @@ class SpeculativeDrafter:
         self.decay = decay
         self.seqs: dict[Hashable, SequenceState] = {}
         self._last: dict[Hashable, Drafts] = {}  # drafts being verified now, per sequence
+        self._k: dict[Hashable, int] = {}  # draft length asked for, per sequence
         self._branches: dict[Hashable, list[Branch]] = {}
         self._accepted = 4.0  # decayed sums for alpha_hat = A / (A + R); prior 0.8
         self._rejections = 1.0
@@ -105,6 +106,7 @@ class SpeculativeDrafter:
     def free(self, seq_id: Hashable) -> None:
         self._drop_branches(seq_id)
         self._last.pop(seq_id, None)
+        self._k.pop(seq_id, None)
         if self.seqs.pop(seq_id, None) is not None:
             self.proposer.free(seq_id)
 
@@ -167,6 +169,7 @@ class SpeculativeDrafter:
                 results[i] = _drafts_of(prop, row, ks[i], self.seqs[seq_ids[i]].params)
         for i, sid in enumerate(seq_ids):
             if ks[i] > 0:
+                self._k[sid] = ks[i]
                 self.hits += int(results[i].speculative)
                 self.misses += int(not results[i].speculative)
                 self._last[sid] = results[i]
@@ -239,7 +242,7 @@ class SpeculativeDrafter:
         for g, (_score, sid, guess) in enumerate(chosen):
             seq = self.seqs[sid]
             prefix = seq.token_ids + list(guess)
-            k = min(len(self._last[sid].tokens), self.max_model_len - len(prefix))
+            k = min(self._k[sid], self.max_model_len - len(prefix))
             if k <= 0:
                 continue
             bid = (sid, "branch", g)
@@ -266,6 +269,7 @@ class SpeculativeDrafter:
 
 
 def _drafts_of(prop, row: int, n: int, params: SamplingParams) -> Drafts:
+    n = min(n, int(prop.num_draft_tokens[row]))  # a row may have stopped early
     return Drafts(
         prop.draft_token_ids[row, :n].tolist(),
         None if params.is_greedy else prop.draft_probs[row, :n].clone(),

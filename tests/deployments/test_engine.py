@@ -96,11 +96,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_cache_did(
         assert sum(last.stats.cache_hits for _, last in results) > 0
 
 
-@pytest.mark.parametrize("mode", ["sequential", "overlap"])
+@pytest.mark.parametrize(
+    ("mode", "confidence"), [("sequential", 0), ("overlap", 0), ("overlap", 0.1)]
+)
 def test_greedy_through_engine_equals_target_only(
-    ray_local, tiny_target, tiny_draft, reference, mode
+    ray_local, tiny_target, tiny_draft, reference, mode, confidence
 ):
-    spec = {"mode": mode, "num_speculative_tokens": 3, "adaptive_overlap": False}
+    """Also with a dynamic draft length (draft_confidence_threshold: rows stop early)."""
+    spec = {
+        "mode": mode,
+        "num_speculative_tokens": 3,
+        "adaptive_overlap": False,
+        "draft_confidence_threshold": confidence,
+    }
     cfg = config(tiny_target, tiny_draft, speculation=spec)
 
     async def body(engine):

@@ -176,16 +176,48 @@ BAD_REQUESTS = [
         "speculation",
     ),
     ({"prompt": "hi"}, "model"),
+    ({"model": MODEL, "prompt": "hi", "top_k": 2**63}, "top_k"),
+    ({"model": MODEL, "prompt": "hi", "top_k": 10**6}, "top_k"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**64}, "seed"),
+    ({"model": MODEL, "prompt": "a\ud800b"}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "stop": "\udfff"}, "stop"),
 ]
+
+
+def post_json(http, url, body):
+    """POST ``body`` as JSON with non-ASCII escaped, so lone surrogates reach the server."""
+    headers = {"content-type": "application/json"}
+    return http.post(url, content=json.dumps(body).encode(), headers=headers, timeout=30)
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_REQUESTS)
 def test_invalid_input_is_400_in_openai_shape(base_url, body, param):
-    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    r = post_json(httpx, f"{base_url}/v1/completions", body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert param in (err["param"] or "") + err["message"]
+
+
+def test_bad_requests_leave_a_request_in_flight_untouched(base_url, client):
+    """Every bad request above, sent while a normal one streams: each gets its 400 and the
+    normal request's text is the same as when it ran alone."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0)
+    alone = client.completions.create(**kw).choices[0].text
+    chat_bad = {"model": MODEL, "messages": [{"role": "user", "content": "x\udc00"}]}
+    with (
+        httpx.Client(base_url=base_url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json={**kw, "stream": True}) as stream,
+    ):
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        codes = [post_json(http, "/v1/completions", body).status_code for body, _ in BAD_REQUESTS]
+        r = post_json(http, "/v1/chat/completions", chat_bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert codes == [400] * len(BAD_REQUESTS)
+    chunks = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == alone
 
 
 def test_malformed_json_and_oversized_body(base_url):

@@ -115,3 +115,68 @@ def test_sampled_tokens_follow_target_end_to_end(target, draft_proposer):
     total = sum(expected.values())  # 1 up to float32 rounding
     exp = [expected[key] * sum(obs) / total for key in keys]
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def _exact_law(runner, prompt, params, depth):
+    """Law of the first ``depth`` tokens under one model, by enumeration (top-k keeps it small)."""
+
+    def dist(tokens):
+        with torch.no_grad():
+            logits = runner.model(torch.tensor([tokens])).logits[:, -1]
+        return probs_for([params], logits)[0]
+
+    law: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix, prob):
+        if len(prefix) - len(prompt) == depth:
+            law[tuple(prefix[len(prompt) :])] = prob
+            return
+        d = dist(prefix)
+        for t in d.nonzero()[:, 0].tolist():
+            expand([*prefix, t], prob * float(d[t]))
+
+    expand(list(prompt), 1.0)
+    return law
+
+
+def test_dynamic_draft_length_is_exact(target, tiny_draft):
+    """min_confidence ends rows early (a different number of drafts per round): greedy output
+    still equals target-only output, and the joint law of five sampled tokens (prefill, then
+    rounds with 1-3 drafts: every position and the bonus) is the target's; the same samples
+    reject the draft's law (the wrong twin)."""
+    proposer = DraftModelProposer(
+        ModelRunner(tiny_draft), min_confidence=0.12
+    )  # about the median draft confidence
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    lengths = set()
+    for prompt in PROMPTS:
+        spec = generate_speculative(target, proposer, prompt, greedy, 4)
+        assert spec.token_ids == generate_autoregressive(target, prompt, greedy).token_ids
+        lengths |= {r.num_draft_tokens for r in spec.rounds}
+    assert 4 in lengths and lengths & {1, 2, 3}
+
+    proposer.min_confidence = 0.075  # sampled tokens are less likely than the argmax
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=5, ignore_eos=True)
+    prompt, n, depth = PROMPTS[0], 1200, 5
+    torch.manual_seed(1)
+    counts: dict[tuple[int, ...], int] = {}
+    lengths = set()
+    for _ in range(n):
+        out = generate_speculative(target, proposer, prompt, params, 3)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        lengths |= {r.num_draft_tokens for r in out.rounds}
+    assert 3 in lengths and lengths & {1, 2}
+    law = _exact_law(target, prompt, params, depth)
+    assert set(counts) <= set(law)
+
+    def pvalue(expected):
+        keys = sorted(set(expected) | set(counts))
+        obs = [counts.get(key, 0) for key in keys]
+        exp = [max(expected.get(key, 0.0), 1e-9) for key in keys]
+        return chisquare(obs, [e * n / sum(exp) for e in exp]).pvalue
+
+    p_target = pvalue(law)
+    p_draft = pvalue(_exact_law(proposer.runner, prompt, params, depth))
+    print(f"dynamic draft length: p vs target law {p_target:.3g}, vs draft law {p_draft:.3g}")
+    assert p_target > 1e-3
+    assert p_draft < 1e-6
