@@ -120,7 +120,7 @@ class _DraftGraph:
     MAX_PENDING = 4  # messages without a round in between (admissions, aborts)
 
     def __init__(self):
-        self._draft = None
+        self.draft = None  # the draft actor the graph runs on
         self._dag = None
         self._refs: list = []  # CompiledDAGRefs of messages whose reply is not read yet
         self._early: list[tuple] = []  # replies read before their round needed them
@@ -128,14 +128,14 @@ class _DraftGraph:
     def execute(self, draft, msg: tuple) -> bool:
         """Send ``msg`` to ``draft``; False if the graph could not be built or used."""
         try:
-            if draft is not self._draft:
+            if draft is not self.draft:
                 self.teardown()
                 from ray.dag import InputNode
 
                 with InputNode() as inp:
                     dag = draft.step.bind(inp)
                 self._dag = dag.experimental_compile()
-                self._draft = draft
+                self.draft = draft
             if len(self._refs) >= self.MAX_PENDING:  # bound the replies in flight
                 early = self.collect(time.perf_counter() + 10.0)
                 if early is None:
@@ -164,7 +164,7 @@ class _DraftGraph:
     def teardown(self) -> None:
         self._refs.clear()
         self._early.clear()
-        dag, self._dag, self._draft = self._dag, None, None
+        dag, self._dag, self.draft = self._dag, None, None
         if dag is not None:  # off the loop: a dead draft's graph may take long to go
             threading.Thread(target=_teardown, args=(dag,), daemon=True).start()
 
@@ -180,6 +180,7 @@ class EngineCore:
     """Target model + the scheduling loop of one replica (a threaded Ray actor)."""
 
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"control": 2, "push": 1, "poll": 1}
+    MAX_FAILURES_IN_A_ROW = 16
 
     def __init__(
         self,
@@ -217,6 +218,7 @@ class EngineCore:
         self.timings = RoundTimings()
         self.error: str | None = None
         self.failed_requests = 0  # failed alone, each with its own error (see _fail)
+        self._failures_in_a_row = 0
         self._stopped = False
         self._sender = _Sender()
         self._graph = _DraftGraph() if transport == "compiled_graph" else None
@@ -242,6 +244,7 @@ class EngineCore:
             if taken or len(set(ids)) != len(ids):
                 raise ValueError(f"request ids already in use: {taken or ids}")
             self._seq_ids.update(ids)
+            self._aborts.difference_update(ids)  # left from an earlier request of that id
             self._new.extend(items)
             self._cv.notify_all()
 
@@ -384,17 +387,19 @@ class EngineCore:
         if not batch:
             return []
         try:
-            return step(batch)
-        except Exception as exc:
-            if len(batch) == 1:
-                self._fail(batch[0][0], exc)
-                return []
-        done = []
-        for item in batch:
-            try:
-                done += step([item])
-            except Exception as exc:
-                self._fail(item[0], exc)
+            done = step(batch)
+        except Exception:
+            done = []
+            for item in batch:
+                try:
+                    done += step([item])
+                except Exception as exc:
+                    self._fail(item[0], exc)
+        # A device that fails every request (a sticky CUDA error) is not one bad request:
+        # after enough failures in a row, end the loop so that the replica is replaced.
+        self._failures_in_a_row = 0 if done else self._failures_in_a_row + len(batch)
+        if self._failures_in_a_row >= self.MAX_FAILURES_IN_A_ROW:
+            raise RuntimeError(f"{self._failures_in_a_row} requests in a row failed")
         return done
 
     def _prefill(self, batch: list[tuple]) -> list[Hashable]:
@@ -513,9 +518,10 @@ class EngineCore:
         deadline = t0 + self.draft_timeout_s
         if self._graph is not None and need:
             # Every reply this round needs is in flight: collect them, then wait no more.
+            draft = self._graph.draft
             replies = self._graph.collect(deadline)
             if replies is None:
-                self._lose_draft(self._draft)
+                self._lose_draft(draft)
             for round_for, items in replies or []:
                 self._store_drafts(round_for, items)
             deadline = t0
@@ -602,13 +608,16 @@ class EngineCore:
         t.total_s += time.perf_counter() - t_round
 
     def _lose_draft(self, draft) -> None:
-        """The compiled graph to this draft failed: decode target-only until the frontend
-        hands over another draft (its watch on the draft sees a death and replaces it)."""
+        """The compiled graph to this draft failed or its reply came too late: decode
+        target-only and end the draft, so that the frontend's watch on it sees a death and
+        replaces it (a live draft nobody messages would hold its sequences forever)."""
         with self._cv:
             if self._draft is draft:
                 self._draft = None
         for seq in self._running.values():
             seq.synced = False
+        if draft is not None:
+            ray.kill(draft, no_restart=True)
 
     def _verify(self, batch: list[tuple]) -> list[tuple[Hashable, tuple[list[int], int]]]:
         """One target pass over ``(seq_id, feed, VerifyRow)`` items; all or nothing."""

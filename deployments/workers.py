@@ -110,6 +110,7 @@ class DraftWorker:
         self._replies: dict[int, tuple] = {}
         self._stop_event = threading.Event()
         self.speculated = 0  # branches prepared
+        self._speculated = False  # the last message's speculation ran (its hits count)
         self.error: str | None = None
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
 
@@ -240,13 +241,17 @@ class DraftWorker:
             for sid, d in zip(ids, results, strict=True)
             if self._reply_in_step or not d.speculative
         ]
-        self.width.observe_hits(sum(d.speculative for d in results), len(results))
+        if self._speculated:  # rounds nobody prepared branches for say nothing of hits
+            self.width.observe_hits(sum(d.speculative for d in results), len(results))
+        self._speculated = False
         self._send(core, msg_no, round_for, pushes + lost)
         if not self.overlap or not ids or (core is None and not self._reply_in_step):
             return
-        budget = self.width.budget(len(ids))
+        # Goodput is per round: an admission's message (no round stats) does not start one.
+        budget = self.width.budget(len(ids), new_round=round_s is not None)
         if not budget:
             return
+        self._speculated = True
         t0 = time.perf_counter()
         branches = drafter.speculate(ids, budget, should_stop=self._has_next)
         self.width.observe_speculation(time.perf_counter() - t0, verify_s, branches is None)

@@ -64,13 +64,21 @@ class SpeculationWidth:
     def __post_init__(self) -> None:
         self.width = self.max_width
 
-    def budget(self, num_seqs: int) -> int:
-        """Branches to prepare this round across ``num_seqs`` sequences (0: none)."""
+    def budget(self, num_seqs: int, new_round: bool = True) -> int:
+        """Branches to prepare this round across ``num_seqs`` sequences (0: none).
+
+        ``new_round`` False: a call between rounds (sequences just admitted) that follows
+        the current choice without being counted as the round the next goodput belongs to.
+        """
         if self.max_width <= 0 or num_seqs <= 0:
             return 0
         if not self.adaptive:
             return self.max_width * num_seqs
-        if not self.should_speculate(num_seqs):
+        if new_round:
+            speculate = self.should_speculate(num_seqs)
+        else:
+            speculate = self._last is None or bool(self._last.choice)
+        if not speculate:
             return 0
         if self.hit_rate < self.min_hit_rate:
             self._paused_rounds += 1

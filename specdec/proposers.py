@@ -153,9 +153,8 @@ class DraftModelProposer(Proposer):
             )  # [active, vocab]
             lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
             if top_m:  # the likeliest token heads the top-m: no separate argmax
-                values, index = logits.topk(top_m, dim=-1)  # [active, m]
-                top_ids[rows, i], top_p[rows, i] = index, (values - lse).exp()
-                tokens = index[:, 0].clone()  # [active]; replaced below on sampled rows
+                top_ids[rows, i], top_p[rows, i] = _top(logits, top_m, lse)  # [active, m]
+                tokens = top_ids[rows, i, 0].clone()  # [active]; replaced on sampled rows
             else:
                 tokens = logits.argmax(dim=-1)
             sampled = [j for j, r in enumerate(active) if not params[r].is_greedy]
@@ -181,10 +180,15 @@ class DraftModelProposer(Proposer):
         return Proposal(draft, counts, probs, self.kind, top_ids, top_p)
 
 
-def _top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``m`` likeliest tokens of ``[batch, vocab]`` logits and their probabilities."""
+def _top(
+    logits: torch.Tensor, m: int, lse: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``m`` likeliest tokens of ``[batch, vocab]`` logits and their probabilities
+    (``lse``: the logits' ``logsumexp`` over the vocabulary, when the caller has it)."""
     values, index = logits.topk(m, dim=-1)  # [batch, m]
-    return index, (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    if lse is None:
+        lse = logits.logsumexp(dim=-1, keepdim=True)
+    return index, (values - lse).exp()
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:

@@ -237,7 +237,9 @@ class SpeculativeDrafter:
                     score = reject_here * pt / max(1e-6, 1 - p_draft)
                     candidates.append((score, sid, (*last.tokens[:j], t)))
         candidates.sort(key=lambda c: -c[0])
-        chosen = candidates[:budget]
+        # Each branch takes a KV slot of the draft's runner: never more than are free.
+        runner = self.proposer.runner
+        chosen = candidates[: min(budget, runner.max_num_seqs - runner.num_seqs)]
         states, parents, guesses, ks = [], [], [], []
         for g, (_score, sid, guess) in enumerate(chosen):
             seq = self.seqs[sid]

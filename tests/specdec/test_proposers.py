@@ -1,8 +1,10 @@
 import pytest
 
-from specdec.proposers import NgramProposer, ngram_propose
+from specdec.proposers import DraftModelProposer, NgramProposer, ngram_propose
+from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
+from specdec.speculation_cache import SpeculativeDrafter
 
 
 @pytest.mark.parametrize(
@@ -39,3 +41,15 @@ def test_ngram_proposer_batches_ragged_rows():
 def test_ngram_proposer_rejects_bad_n():
     with pytest.raises(ValueError, match="n_min"):
         NgramProposer(n_max=1, n_min=2)
+
+
+def test_speculation_never_forks_past_the_draft_runner(tiny_draft):
+    """A budget larger than the free KV slots prepares as many branches as fit."""
+
+    drafter = SpeculativeDrafter(DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=6)))
+    params = SamplingParams(temperature=0.0, max_tokens=50)
+    for i in range(2):
+        drafter.add(f"s{i}", [5 + i, 9, 14], params)
+    drafter.propose(["s0", "s1"], [3, 3])
+    branches = drafter.speculate(["s0", "s1"], budget=10)
+    assert len(branches) == 4 and drafter.proposer.runner.num_seqs == 6
