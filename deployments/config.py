@@ -135,7 +135,7 @@ class SchedulerConfig(_Strict):
 
 
 class FaultConfig(_Strict):
-    """What to do when a worker dies."""
+    """What to do when a worker dies or hangs."""
 
     restart_timeout_s: float = Field(
         default=120.0, gt=0, description="How long a replacement worker may take to load."
@@ -148,6 +148,30 @@ class FaultConfig(_Strict):
         gt=0,
         description="How long the engine core waits for a round's drafts before verifying "
         "that round without them (a hung draft never stalls the target).",
+    )
+    call_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Most seconds any call to a worker may take (a long-poll: this on top "
+        "of its own wait). A worker that does not answer in time is treated as dead and "
+        "replaced.",
+    )
+    liveness_period_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the engine checks that the draft's loop is making progress; "
+        "a draft whose loop has not taken a waiting message for call_timeout_s is replaced.",
+    )
+    restart_backoff_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Wait before retrying a failed worker replacement; doubles per failure.",
+    )
+    restart_backoff_max_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest wait between replacement attempts. A draft is retried for as "
+        "long as it takes (target-only serves meanwhile); a target max_target_restarts times.",
     )
 
 

@@ -38,9 +38,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import ray
+import torch
 
 from deployments.config import ModelSpec
-from deployments.workers import configure_thread, load_runner, worker_info
+from deployments.workers import GIVE_UP, configure_thread, load_runner, worker_info
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 from specdec.verify import VerifyRow, sample_next, verify_rows
@@ -169,6 +170,35 @@ class _DraftGraph:
             threading.Thread(target=_teardown, args=(dag,), daemon=True).start()
 
 
+def _generation_eos(runner) -> frozenset[int]:
+    """The EOS ids of the model's ``generation_config`` (an int or a list of them)."""
+    eos = getattr(getattr(runner.model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def token_logprobs(logits, tokens: list[int], top: int | None) -> list[tuple] | None:
+    """Log-probabilities of ``tokens`` under the target's raw distribution (before the
+    request's temperature and filters, as vLLM reports them), with the ``top`` likeliest.
+
+    logits: [n, vocab], row j the target's logits for ``tokens[j]``.
+    Returns per token ``(logprob, [(token_id, logprob), ...])``; None when not asked for.
+    """
+    if top is None or not tokens:
+        return None
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, vocab]
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = lp.topk(top, dim=-1)  # [n, top]
+        tops = [
+            list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
+    else:
+        tops = [[] for _ in tokens]
+    return list(zip(chosen, tops, strict=True))
+
+
 def _teardown(dag) -> None:
     try:
         dag.teardown()
@@ -186,7 +216,7 @@ class EngineCore:
         self,
         spec: dict,
         max_num_seqs: int,
-        eos_token_id: int | None,
+        eos_token_ids: list[int],
         draft_timeout_s: float,
         draft_max_model_len: int | None = None,
         transport: str = "actor",
@@ -194,7 +224,9 @@ class EngineCore:
         self.spec = ModelSpec.model_validate(spec)
         self.runner = load_runner(self.spec, max_num_seqs)
         self.max_num_seqs = max_num_seqs
-        self.eos_token_id = eos_token_id
+        # Every id that ends a sequence: the tokenizer's and generation_config's (models
+        # list several there, e.g. end-of-text and end-of-turn).
+        self.eos_token_ids = frozenset(eos_token_ids) | _generation_eos(self.runner)
         self.draft_timeout_s = draft_timeout_s
         self.draft_max_model_len = draft_max_model_len or self.runner.max_model_len
         self._cv = threading.Condition()  # guards everything the calls hand to the loop
@@ -203,6 +235,7 @@ class EngineCore:
         self._seq_ids: set[Hashable] = set()  # every request added and not yet ended
         self._pushes: dict[Hashable, dict[tuple, tuple]] = {}
         self._resync: set[Hashable] = set()
+        self._give_up: set[Hashable] = set()  # the draft failed on these: target-only
         self._draft = None
         self._draft_first = True  # the next message starts a new draft
         self._out_cv = threading.Condition()
@@ -230,7 +263,7 @@ class EngineCore:
 
     @ray.method(concurrency_group="control")
     def ready(self) -> dict[str, Any]:
-        return worker_info(self.runner)
+        return {**worker_info(self.runner), "eos_token_ids": sorted(self.eos_token_ids)}
 
     @ray.method(concurrency_group="control")
     def add_requests(self, items: list[tuple]) -> None:
@@ -297,6 +330,10 @@ class EngineCore:
                 if guess is None:  # the draft lost track of this sequence
                     self._resync.add(seq_id)
                     continue
+                if guess == GIVE_UP:  # drafting failed for it alone: target-only
+                    self._give_up.add(seq_id)
+                    self._resync.add(seq_id)
+                    continue
                 self._pushes.setdefault(seq_id, {})[(round_for, guess)] = (tokens, q, speculative)
             self._cv.notify_all()
 
@@ -305,7 +342,8 @@ class EngineCore:
         """Long-poll: outputs after ``cursor`` (those before it are acknowledged and dropped).
 
         An output is ``(seq_id, new_tokens, finished, finish_reason, num_output_tokens,
-        (drafted, accepted, rounds, cache_hits), error)``.
+        (drafted, accepted, rounds, cache_hits), error, logprobs)``; ``logprobs`` is None
+        unless the request asked for them (see :func:`token_logprobs`).
         """
         with self._out_cv:
             drop = max(0, min(cursor - self._out_base, len(self._outbox)))
@@ -326,7 +364,7 @@ class EngineCore:
             self.error = f"engine core failure: {exc!r}"
             with self._out_cv:
                 for sid in list(self._running) + [it[0] for it in self._waiting]:
-                    self._outbox.append((sid, [], True, "error", 0, (0, 0, 0, 0), self.error))
+                    self._outbox.append((sid, [], True, "error", 0, (0, 0, 0, 0), self.error, None))
                 self._out_cv.notify_all()
 
     def _loop(self) -> None:
@@ -362,6 +400,7 @@ class EngineCore:
         with self._cv:
             self._pushes.pop(sid, None)
             self._resync.discard(sid)
+            self._give_up.discard(sid)
             self._seq_ids.discard(sid)
 
     def _admit(self, freed: list[Hashable]) -> None:
@@ -407,7 +446,9 @@ class EngineCore:
         seqs, feeds = [], []
         try:
             for sid, prompt, output, params, k in batch:
-                state = SequenceState(sid, list(prompt), SamplingParams(**params))
+                state = SequenceState(
+                    sid, list(prompt), SamplingParams(**params), device=self.runner.device
+                )
                 state.output_token_ids = list(output)
                 self.runner.add(sid)
                 seqs.append(_Seq(state, k))
@@ -420,11 +461,18 @@ class EngineCore:
                 sample_next(
                     logits[fresh],
                     [seqs[i].state.params for i in fresh],
-                    [seqs[i].state.verify_generator for i in fresh],
+                    [
+                        seqs[i].state.verify_generator_at(len(seqs[i].state.prompt_token_ids))
+                        for i in fresh
+                    ],
                 )
                 if fresh
                 else []
             )
+            first_lps = [
+                token_logprobs(logits[i : i + 1], [tok], seqs[i].state.params.logprobs)
+                for i, tok in zip(fresh, firsts, strict=True)
+            ]
         except Exception:
             for seq in seqs:
                 self.runner.free(seq.state.seq_id)
@@ -433,10 +481,10 @@ class EngineCore:
         for seq in seqs:
             self._running[seq.state.seq_id] = seq
             seq.guess = (seq.state.last_token_id,) if seq.state.output_token_ids else ()
-        for i, tok in zip(fresh, firsts, strict=True):
-            seqs[i].state.append([tok], self.eos_token_id)
+        for i, tok, lps in zip(fresh, firsts, first_lps, strict=True):
+            seqs[i].state.append([tok], self.eos_token_ids)
             seqs[i].guess = (tok,)
-            outputs.append(self._output(seqs[i], [tok]))
+            outputs.append(self._output(seqs[i], [tok], lps))
         self._publish(outputs)
         return ids
 
@@ -455,7 +503,7 @@ class EngineCore:
         stats = tuple(seq.stats) if seq is not None else (0, 0, 0, 0)
         n_out = len(seq.state.output_token_ids) if seq is not None else 0
         error = f"request failed in the engine core: {type(exc).__name__}: {exc}"
-        self._publish([(sid, [], True, "error", n_out, stats, error)])
+        self._publish([(sid, [], True, "error", n_out, stats, error, None)])
 
     def _k_for(self, seq: _Seq) -> int:
         """Draft length for the next round: never past max_tokens or either model's context."""
@@ -536,6 +584,9 @@ class EngineCore:
                     elif sid in self._resync:
                         self._resync.discard(sid)
                         seq.synced = False
+                        if sid in self._give_up:
+                            self._give_up.discard(sid)
+                            seq.k = 0
                         del need[sid]
                 remaining = deadline - time.perf_counter()
                 if not need or self._draft is None or remaining <= 0:
@@ -560,7 +611,10 @@ class EngineCore:
             tokens, q, speculative = found.get(seq.state.seq_id, ([], None, False))
             k = min(len(tokens), seq.k_next)
             tokens, q = tokens[:k], (None if q is None else q[:k])
-            rows.append(VerifyRow(seq.state.params, tokens, q, seq.state.verify_generator))
+            gen = seq.state.verify_generator_at(
+                len(seq.state.prompt_token_ids) + len(seq.state.output_token_ids)
+            )
+            rows.append(VerifyRow(seq.state.params, tokens, q, gen))
             feeds.append([seq.state.last_token_id, *tokens])
             if k:
                 seq.stats[0] += k
@@ -581,13 +635,13 @@ class EngineCore:
             st = seq.state
             if st.seq_id not in results:  # failed alone (and freed)
                 continue
-            tokens, a = results[st.seq_id]
+            tokens, a, lps = results[st.seq_id]
             seq.base_len = len(st.prompt_token_ids) + len(st.output_token_ids)
-            kept = st.append(tokens, self.eos_token_id)
+            kept = st.append(tokens, self.eos_token_ids)
             seq.guess = tuple(tokens[:kept])
             if row.draft_token_ids:
                 seq.stats[1] += a
-            outputs.append(self._output(seq, tokens[:kept]))
+            outputs.append(self._output(seq, tokens[:kept], lps and lps[:kept]))
             if st.finished:
                 self._free(st.seq_id)
                 if seq.k > 0:
@@ -619,8 +673,11 @@ class EngineCore:
         if draft is not None:
             ray.kill(draft, no_restart=True)
 
-    def _verify(self, batch: list[tuple]) -> list[tuple[Hashable, tuple[list[int], int]]]:
-        """One target pass over ``(seq_id, feed, VerifyRow)`` items; all or nothing."""
+    def _verify(self, batch: list[tuple]) -> list[tuple[Hashable, tuple]]:
+        """One target pass over ``(seq_id, feed, VerifyRow)`` items; all or nothing.
+
+        Returns per item ``(seq_id, (tokens, accepted, logprobs or None))``.
+        """
         ids = [sid for sid, _, _ in batch]
         cached = [self.runner.length(sid) for sid in ids]
         # A seeded row retried alone must draw the same numbers as it would have.
@@ -629,18 +686,23 @@ class EngineCore:
         try:
             # [batch, k + 1, vocab]
             logits = self.runner.forward_padded(ids, [feed for _, feed, _ in batch])
-            results = verify_rows(logits, [row for _, _, row in batch])
+            results = [
+                (tokens, a, token_logprobs(logits[i, : len(tokens)], tokens, row.params.logprobs))
+                for i, ((tokens, a), (_, _, row)) in enumerate(
+                    zip(verify_rows(logits, [row for _, _, row in batch]), batch, strict=True)
+                )
+            ]
         except Exception:
             for sid, c in zip(ids, cached, strict=True):  # the pass may have advanced them
                 self.runner.rollback(sid, c)
             for gen, state in zip(gens, states, strict=True):
                 gen.set_state(state)
             raise
-        for sid, c, (_tokens, a) in zip(ids, cached, results, strict=True):
+        for sid, c, (_tokens, a, _lps) in zip(ids, cached, results, strict=True):
             self.runner.rollback(sid, c + 1 + a)
         return list(zip(ids, results, strict=True))
 
-    def _output(self, seq: _Seq, new_tokens: list[int]) -> tuple:
+    def _output(self, seq: _Seq, new_tokens: list[int], logprobs: list | None = None) -> tuple:
         st = seq.state
         return (
             st.seq_id,
@@ -650,6 +712,7 @@ class EngineCore:
             len(st.output_token_ids),
             tuple(seq.stats),
             None,
+            logprobs,
         )
 
     def _publish(self, outputs: list[tuple]) -> None:

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import EngineConfig, WorkerResources
 from deployments.core import EngineCore, RoundTimings
+from deployments.detokenizer import IncrementalDetokenizer
 from deployments.placement import placement_for
 from deployments.workers import DraftWorker
 from specdec.sampling import SamplingParams
@@ -80,6 +81,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stats: RequestStats
+    text: str | None = None  # the new text the client receives (None without a tokenizer)
+    # per new token: (logprob, [(token_id, logprob), ...]) when the request asked for them
+    logprobs: list[tuple] | None = None
 
 
 @dataclass
@@ -89,6 +93,7 @@ class _Request:
     params: SamplingParams
     k: int
     queue: asyncio.Queue
+    detok: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
 
@@ -110,8 +115,10 @@ class SpecEngine:
         self.config = config
         self.placement = placement_for(config)
         self.pg = placement_group
-        self.tokenizer = tokenizer  # only needed for stop strings
-        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self.tokenizer = tokenizer  # for text and stop strings (None: token ids only)
+        # The core adds the EOS ids of the model's generation_config to these.
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else []
         self.target = None  # the EngineCore actor (target model + round loop)
         self.draft = None
         self.target_info: dict[str, Any] = {}
@@ -124,6 +131,7 @@ class SpecEngine:
         self._fatal: str | None = None
         self._core_health: dict[str, Any] = {}
         self.aborted = 0  # requests whose client went away before they finished
+        self.draft_restart_failures = 0
 
     # ----- workers ----------------------------------------------------------------------
 
@@ -150,7 +158,7 @@ class SpecEngine:
             .remote(
                 cfg.target.model_dump(),
                 cfg.scheduler.max_num_seqs,
-                self.eos_token_id,
+                self.eos_token_ids,
                 cfg.faults.draft_timeout_s,
                 self.draft_info.get("max_model_len", draft_len),
                 cfg.transport,
@@ -179,6 +187,11 @@ class SpecEngine:
             actor.ready.remote(), timeout=self.config.faults.restart_timeout_s
         )
 
+    async def _call(self, ref, extra_s: float = 0.0):
+        """Await a worker call for at most ``call_timeout_s`` (+ ``extra_s``): a worker that
+        does not answer is as good as dead (``asyncio.TimeoutError``)."""
+        return await asyncio.wait_for(ref, timeout=self.config.faults.call_timeout_s + extra_s)
+
     async def start(self) -> None:
         """Create the workers, wait until both have loaded their models, connect them."""
         if self.config.draft is not None:
@@ -188,26 +201,38 @@ class SpecEngine:
         self.target_info = await self._await_ready(self.target)
         if self.draft is not None:
             if self.draft_info["vocab_size"] != self.target_info["vocab_size"]:
+                await self.shutdown()
                 raise EngineError(
                     f"draft vocabulary ({self.draft_info['vocab_size']}) differs from the "
-                    f"target's ({self.target_info['vocab_size']})"
+                    f"target's ({self.target_info['vocab_size']}): the pair cannot speculate"
                 )
             await self._connect(self.target, self.draft)
             self._tasks.append(asyncio.create_task(self._watch_draft(self.draft)))
         self._tasks.append(asyncio.create_task(self._poll()))
 
-    @staticmethod
-    async def _connect(core, draft) -> None:
-        await draft.set_core.remote(core)
-        await core.set_draft.remote(draft)
+    async def _connect(self, core, draft) -> None:
+        await self._call(draft.set_core.remote(core))
+        await self._call(core.set_draft.remote(draft))
 
     @property
     def ready(self) -> bool:
         """The target is up (the draft may be restarting: target-only still serves)."""
         return self.target is not None and self._fatal is None and bool(self.target_info)
 
+    @property
+    def status(self) -> str:
+        """``ok``: serving with speculation; ``degraded``: serving target-only while a draft
+        is away; ``unavailable``: cannot take requests (target being replaced, or failed).
+        The HTTP /health and Serve's check_health both answer from this."""
+        if not self.ready:
+            return "unavailable"
+        if self.config.draft is not None and not (self.draft is not None and self.draft_info):
+            return "degraded"
+        return "ok"
+
     def health(self) -> dict[str, Any]:
         return {
+            "status": self.status,
             "ready": self.ready,
             "target": bool(self.target_info),
             "draft": self.draft is not None and bool(self.draft_info),
@@ -226,9 +251,9 @@ class SpecEngine:
     async def seq_ids(self) -> dict[str, Any]:
         """What each worker holds, for leak checks: see EngineCore/DraftWorker.seq_ids."""
         out: dict[str, Any] = {"requests": sorted(map(str, self._requests))}
-        out["target"] = await self.target.seq_ids.remote()
+        out["target"] = await self._call(self.target.seq_ids.remote())
         if self.draft is not None:
-            out["draft"] = await self.draft.seq_ids.remote()
+            out["draft"] = await self._call(self.draft.seq_ids.remote())
         return out
 
     async def shutdown(self) -> None:
@@ -290,12 +315,17 @@ class SpecEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        req = _Request(rid, list(prompt_token_ids), params, k, asyncio.Queue())
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, params.stop)
+            if self.tokenizer is not None
+            else None
+        )
+        req = _Request(rid, list(prompt_token_ids), params, k, asyncio.Queue(), detok)
         self._requests[rid] = req
         try:
             try:
-                await self.target.add_requests.remote([req.core_item()])
-            except RayActorError:
+                await self._call(self.target.add_requests.remote([req.core_item()]))
+            except (RayActorError, asyncio.TimeoutError):
                 pass  # the poller replaces the target and resumes every known request
             except Exception as exc:
                 raise EngineError(f"could not start the request: {exc}") from exc
@@ -318,7 +348,7 @@ class SpecEngine:
             self.target.abort.remote(rids)  # fire and forget: a dead target frees nothing
 
     def _deliver(self, out: tuple) -> None:
-        rid, new, finished, reason, n_out, stats, error = out
+        rid, new, finished, reason, _n_out, stats, error, logprobs = out
         req = self._requests.get(rid)
         if req is None or req.finished:
             return
@@ -326,10 +356,15 @@ class SpecEngine:
             req.finished = True
             req.queue.put_nowait(EngineError(error))
             return
+        text = None
+        if req.detok is not None:
+            new, text, stopped = _detokenize(req.detok, new, finished)
+            if stopped:  # a stop string ends the text here: drop what came after it
+                if not finished:
+                    self._abort([rid])
+                finished, reason = True, "stop"
+                logprobs = logprobs and logprobs[: len(new)]
         req.output_token_ids.extend(new)
-        if not finished and self._hit_stop_string(req):
-            finished, reason = True, "stop"
-            self._abort([rid])
         req.finished = finished
         req.queue.put_nowait(
             RequestOutput(
@@ -338,16 +373,12 @@ class SpecEngine:
                 finished,
                 reason,
                 len(req.prompt_token_ids),
-                n_out,
+                len(req.output_token_ids),
                 RequestStats(*stats),
+                text,
+                logprobs,
             )
         )
-
-    def _hit_stop_string(self, req: _Request) -> bool:
-        if not req.params.stop or self.tokenizer is None:
-            return False
-        text = self.tokenizer.decode(req.output_token_ids[-64:])
-        return any(s in text for s in req.params.stop)
 
     # ----- the output stream and fault handling -----------------------------------------
 
@@ -356,11 +387,13 @@ class SpecEngine:
         cursor = 0
         while True:
             try:
-                cursor, outs, error = await self.target.get_outputs.remote(cursor, POLL_TIMEOUT_S)
+                cursor, outs, error = await self._call(
+                    self.target.get_outputs.remote(cursor, POLL_TIMEOUT_S), POLL_TIMEOUT_S
+                )
             except asyncio.CancelledError:
                 raise
-            except RayActorError as exc:
-                logger.warning("target worker failed: %s", exc)
+            except (RayActorError, asyncio.TimeoutError) as exc:
+                logger.warning("target worker failed or hung: %r", exc)
                 if not await self._replace_target():
                     return
                 cursor = 0
@@ -371,8 +404,8 @@ class SpecEngine:
                 self._fail(f"engine failure: {error}")
                 return
             if not outs:
-                with contextlib.suppress(RayActorError):  # the next poll notices
-                    self._core_health = await self.target.health.remote()
+                with contextlib.suppress(RayActorError, asyncio.TimeoutError):  # next poll
+                    self._core_health = await self._call(self.target.health.remote())
 
     def _fail(self, message: str) -> None:
         self._fatal = message
@@ -381,8 +414,13 @@ class SpecEngine:
                 req.finished = True
                 req.queue.put_nowait(EngineError(message))
 
+    def _backoff(self, failures: int) -> float:
+        f = self.config.faults
+        return min(f.restart_backoff_max_s, f.restart_backoff_s * 2 ** max(0, failures - 1))
+
     async def _replace_target(self) -> bool:
         """Start a new core, reconnect the draft, resume every request; False if fatal."""
+        failures = 0
         while True:
             if self._target_restarts >= self.config.faults.max_target_restarts:
                 self._fail(
@@ -390,6 +428,8 @@ class SpecEngine:
                     f"(max_target_restarts={self.config.faults.max_target_restarts})"
                 )
                 return False
+            if failures:
+                await asyncio.sleep(self._backoff(failures))
             self._target_restarts += 1
             ray.kill(self.target, no_restart=True)
             self.target_info = {}
@@ -399,50 +439,100 @@ class SpecEngine:
                 if self.draft is not None and self.config.transport == "compiled_graph":
                     # The dead core drove the draft's graph loop, which may never end:
                     # a fresh draft is safer than compiling a second graph onto it.
-                    await self._renew_draft()
-                if self.draft is not None:
+                    self._tasks.append(
+                        asyncio.create_task(self._replace_draft("its target was replaced"))
+                    )
+                elif self.draft is not None:
                     await self._connect(self.target, self.draft)
                 live = [r.core_item() for r in self._requests.values() if not r.finished]
                 if live:
-                    await self.target.add_requests.remote(live)
+                    await self._call(self.target.add_requests.remote(live))
                 logger.info("target worker replaced (%d restarts)", self._target_restarts)
                 return True
             except (RayActorError, asyncio.TimeoutError) as exc:
-                logger.warning("replacement target failed: %s", exc)
-
-    async def _renew_draft(self) -> None:
-        old = self.draft
-        self.draft = self._spawn_draft()
-        ray.kill(old, no_restart=True)  # its watch sees the death; it is no longer ours
-        self.draft_info = await self._await_ready(self.draft)
-        self._tasks.append(asyncio.create_task(self._watch_draft(self.draft)))
+                failures += 1
+                logger.warning("replacement target failed: %r", exc)
 
     async def _watch_draft(self, draft) -> None:
-        """Wait on the draft's watch call: it raises when the actor dies."""
-        try:
-            error = await draft.watch.remote()
-            logger.warning("draft loop failed (%s); continuing target-only", error)
-        except asyncio.CancelledError:
-            raise
-        except RayActorError as exc:
-            logger.warning("draft worker failed (%s); continuing target-only", exc)
-        if draft is self.draft:
-            await self._replace_draft()
+        """Replace ``draft`` when it dies, its loop fails, or its loop stops making progress.
 
-    async def _replace_draft(self) -> None:
-        dead, self.draft, self.draft_info = self.draft, None, {}
-        with contextlib.suppress(RayActorError):  # a dead target is the poller's business
-            await self.target.set_draft.remote(None)
-        ray.kill(dead, no_restart=True)
-        self._draft_restarting = asyncio.current_task()
+        Death and loop failure end the long-running ``watch`` call; a hung loop (a stuck
+        device call) does not, so its progress is checked every ``liveness_period_s``.
+        """
+        faults = self.config.faults
+        watch = asyncio.ensure_future(draft.watch.remote())
+        reason = None
         try:
-            actor = self._spawn_draft()
-            info = await self._await_ready(actor)
-            await self._connect(self.target, actor)
-            self.draft, self.draft_info = actor, info
-            self._tasks.append(asyncio.create_task(self._watch_draft(actor)))
-            logger.info("replacement draft worker ready on node %s", info["node_id"])
-        except Exception:
-            logger.exception("could not start a replacement draft; serving target-only")
+            while reason is None:
+                done, _ = await asyncio.wait({watch}, timeout=faults.liveness_period_s)
+                if done:
+                    try:
+                        reason = f"its loop failed: {watch.result()}"
+                    except RayActorError as exc:
+                        reason = f"it died: {exc}"
+                    break
+                try:
+                    stalled = await self._call(draft.stalled_s.remote())
+                except (RayActorError, asyncio.TimeoutError) as exc:
+                    reason = f"it does not answer: {exc!r}"
+                    break
+                if stalled > faults.call_timeout_s:
+                    reason = f"its loop made no progress for {stalled:.0f} s"
+        except asyncio.CancelledError:
+            watch.cancel()
+            raise
+        watch.cancel()
+        if draft is self.draft:
+            logger.warning("draft worker lost (%s); continuing target-only", reason)
+            await self._replace_draft(reason)
+
+    async def _replace_draft(self, reason: str) -> None:
+        """Serve target-only and start a new draft, retrying with backoff until one runs.
+
+        Used when the draft died or hung, and after a target replacement in the
+        compiled-graph transport (whose graph loop the dead core drove).
+        """
+        dead, self.draft, self.draft_info = self.draft, None, {}
+        with contextlib.suppress(RayActorError, asyncio.TimeoutError):  # the poller's business
+            await self._call(self.target.set_draft.remote(None))
+        if dead is not None:
+            ray.kill(dead, no_restart=True)
+        self._draft_restarting = asyncio.current_task()
+        failures = 0
+        try:
+            while True:
+                actor = self._spawn_draft()
+                try:
+                    info = await self._await_ready(actor)
+                    await self._connect(self.target, actor)
+                except (RayActorError, asyncio.TimeoutError) as exc:
+                    ray.kill(actor, no_restart=True)
+                    failures += 1
+                    delay = self._backoff(failures)
+                    logger.warning(
+                        "replacement draft failed (%r); target-only, retrying in %.0f s",
+                        exc,
+                        delay,
+                    )
+                    self.draft_restart_failures += 1
+                    await asyncio.sleep(delay)
+                    continue
+                self.draft, self.draft_info = actor, info
+                self._tasks.append(asyncio.create_task(self._watch_draft(actor)))
+                logger.info("draft worker replaced (%s) on node %s", reason, info["node_id"])
+                return
         finally:
             self._draft_restarting = None
+
+
+def _detokenize(detok: IncrementalDetokenizer, new: list[int], final: bool):
+    """``(tokens kept, their text, stopped)``: the text the client receives, cut at the
+    first stop string, and only the tokens up to the one that completed it."""
+    if not detok.stop:
+        return new, detok.add(new, final=final), False
+    text = ""
+    for j, tok in enumerate(new):
+        text += detok.add([tok], final=final and j == len(new) - 1)
+        if detok.stopped:
+            return new[: j + 1], text, True
+    return new, text, False

@@ -7,6 +7,7 @@ verification needs no ``q``), never logits of the target.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -25,6 +26,10 @@ from specdec.sampling import SamplingParams
 from specdec.speculation_cache import Drafts, SpeculativeDrafter
 
 logger = logging.getLogger("specserve.workers")
+
+# In place of a guess in a pushed draft item: the draft gave up on this sequence (it failed
+# there alone); the core decodes it target-only from then on.
+GIVE_UP = "give_up"
 
 
 def _device(spec: ModelSpec) -> str:
@@ -109,7 +114,10 @@ class DraftWorker:
         self._reply_in_step = transport == "compiled_graph"
         self._replies: dict[int, tuple] = {}
         self._stop_event = threading.Event()
+        self._busy_since: float | None = None  # monotonic start of the message in hand
+        self._waiting_since = time.monotonic()  # the loop's last return to its queue
         self.speculated = 0  # branches prepared
+        self.failed_sequences = 0  # sequences given up on (decoded target-only since)
         self._speculated = False  # the last message's speculation ran (its hits count)
         self.error: str | None = None
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
@@ -145,6 +153,8 @@ class DraftWorker:
             self._next_no = msg_no
         elif self._next_no is not None and msg_no < self._next_no:
             return False  # from a core that has been replaced
+        if not self._inbox:
+            self._waiting_since = time.monotonic()
         self._inbox[msg_no] = (first, *payload)
         self._cv.notify_all()
         return True
@@ -160,6 +170,7 @@ class DraftWorker:
             "goodput": self.width.goodput(),
             "acceptance": self.drafter.acceptance,
             "error": self.error,
+            "failed_sequences": self.failed_sequences,
         }
 
     @ray.method(concurrency_group="io")
@@ -171,6 +182,16 @@ class DraftWorker:
                 "drafter": list(self.drafter.seqs),
                 "runner": list(self.runner.seq_ids),
             }
+
+    @ray.method(concurrency_group="io")
+    def stalled_s(self) -> float:
+        """Seconds the loop has spent on the message it is handling, or a message has
+        waited for it (0 when idle): the frontend replaces a draft whose loop hangs."""
+        since = self._busy_since
+        with self._cv:
+            if since is None and self._has_next():
+                since = self._waiting_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> str | None:
@@ -194,13 +215,48 @@ class DraftWorker:
                     msg = self._inbox.pop(msg_no)
                     self._next_no += 1
                     core = self._core
-                self._handle(core, msg_no, *msg)
+                    self._busy_since = time.monotonic()
+                try:
+                    self._handle(core, msg_no, *msg)
+                finally:
+                    self._busy_since = None
+                    self._waiting_since = time.monotonic()
         except Exception as exc:
             logger.exception("draft loop failed")
             with self._cv:
                 self.error = f"draft loop failure: {exc!r}"
                 self._cv.notify_all()
             self._stop_event.set()
+
+    def _give_up(self, sid: Hashable, exc: BaseException) -> tuple:
+        """Drafting ``sid`` failed: free it and tell the core to decode it target-only
+        (a draft-side fault of one request must not end the loop that serves all)."""
+        logger.warning("drafting %r failed (%r); it continues target-only", sid, exc)
+        self.failed_sequences += 1
+        with contextlib.suppress(Exception):
+            self.drafter.free(sid)
+        return (sid, GIVE_UP, None, None, False)
+
+    def _propose_isolated(self, ids: list, ks: list[int], lost: list) -> list[tuple]:
+        """``drafter.propose`` for the batch; if it fails, each sequence alone, rebuilt from
+        its committed tokens (the failed pass may have left its KV half-written)."""
+        if not ids:
+            return []
+        try:
+            return list(zip(ids, self.drafter.propose(ids, ks), strict=True))
+        except Exception:
+            logger.exception("batched drafting failed; retrying each sequence alone")
+        done = []
+        for sid, k in zip(ids, ks, strict=True):
+            try:
+                seq = self.drafter.seqs[sid]
+                tokens, params = list(seq.token_ids), seq.params
+                self.drafter.free(sid)
+                self.drafter.add(sid, tokens, params)
+                done.append((sid, self.drafter.propose([sid], [k])[0]))
+            except Exception as exc:
+                lost.append(self._give_up(sid, exc))
+        return done
 
     def _send(self, core, msg_no: int, round_for: int, items: list[tuple]) -> None:
         """Drafts for ``round_for`` to the core: the reply of a compiled-graph step, or a push."""
@@ -223,24 +279,30 @@ class DraftWorker:
             drafter.free(sid)
         ids, ks, guesses, lost = [], [], {}, []
         for sid, base_len, new_tokens, k, full, params in items:
-            if full is not None:
-                drafter.add(sid, full, SamplingParams(**params))
-            elif drafter.length(sid) != base_len:
-                lost.append((sid, None, None, None, False))
+            try:
+                if full is not None:
+                    drafter.add(sid, full, SamplingParams(**params))
+                elif drafter.length(sid) != base_len:
+                    lost.append((sid, None, None, None, False))
+                    continue
+                else:
+                    drafter.commit(sid, new_tokens)
+            except Exception as exc:  # this sequence alone: it goes on target-only
+                lost.append(self._give_up(sid, exc))
                 continue
-            else:
-                drafter.commit(sid, new_tokens)
             if k > 0:
                 ids.append(sid)
                 ks.append(k)
                 guesses[sid] = tuple(new_tokens)
-        results = drafter.propose(ids, ks)
+        proposed = self._propose_isolated(ids, ks, lost)
         # A pushed branch (actor transport) is at the core already; a reply carries all.
         pushes = [
             _push_item(sid, guesses[sid], d)
-            for sid, d in zip(ids, results, strict=True)
+            for sid, d in proposed
             if self._reply_in_step or not d.speculative
         ]
+        ids = [sid for sid, _ in proposed]
+        results = [d for _, d in proposed]
         if self._speculated:  # rounds nobody prepared branches for say nothing of hits
             self.width.observe_hits(sum(d.speculative for d in results), len(results))
         self._speculated = False
@@ -253,7 +315,11 @@ class DraftWorker:
             return
         self._speculated = True
         t0 = time.perf_counter()
-        branches = drafter.speculate(ids, budget, should_stop=self._has_next)
+        try:
+            branches = drafter.speculate(ids, budget, should_stop=self._has_next)
+        except Exception:  # all or nothing: no branch was kept; the round goes on without
+            logger.exception("speculation failed; continuing without branches")
+            return
         self.width.observe_speculation(time.perf_counter() - t0, verify_s, branches is None)
         if branches:
             self.speculated += len(branches)

@@ -62,7 +62,7 @@ class GenerationResult:
 def _start(runner: ModelRunner, seq: SequenceState, eos: int | None) -> None:
     """Prefill the prompt and commit the first token, sampled from the target alone."""
     logits = runner.prefill([seq.seq_id], [seq.prompt_token_ids])  # [1, vocab]
-    first = sample(probs_for([seq.params], logits), [seq.verify_generator])
+    first = sample(probs_for([seq.params], logits), [seq.verify_generator_at(len(seq.token_ids))])
     seq.append([int(first[0])], eos)
 
 
@@ -74,11 +74,12 @@ def generate_autoregressive(
     seq_id: str = "ar",
 ) -> GenerationResult:
     """Plain decoding with the target: one forward pass per token."""
-    seq = SequenceState(seq_id, list(prompt_token_ids), params)
+    seq = SequenceState(seq_id, list(prompt_token_ids), params, device=target.device)
     _start(target, seq, eos_token_id)
     while not seq.finished:
         logits = target.forward([seq_id], [[seq.last_token_id]])[0]  # [1, vocab]
-        token = sample(probs_for([params], logits), [seq.verify_generator])
+        gen = seq.verify_generator_at(len(seq.token_ids))
+        token = sample(probs_for([params], logits), [gen])
         seq.append([int(token[0])], eos_token_id)
     target.free(seq_id)
     return GenerationResult(seq.output_token_ids, seq.finish_reason or "length")
@@ -94,7 +95,7 @@ def generate_speculative(
     seq_id: str = "sd",
 ) -> GenerationResult:
     """Speculative decoding: propose k, verify k + 1 positions in one pass, keep a prefix."""
-    seq = SequenceState(seq_id, list(prompt_token_ids), params)
+    seq = SequenceState(seq_id, list(prompt_token_ids), params, device=target.device)
     _start(target, seq, eos_token_id)
     rounds: list[RoundStats] = []
     while not seq.finished:
@@ -116,7 +117,7 @@ def generate_speculative(
             p,
             q,
             torch.tensor([params.is_greedy]),
-            [seq.verify_generator],
+            [seq.verify_generator_at(len(seq.token_ids))],
             proposal.kind,
         )
         a = int(out.num_accepted[0])

@@ -160,7 +160,10 @@ class DraftModelProposer(Proposer):
             sampled = [j for j, r in enumerate(active) if not params[r].is_greedy]
             if sampled:
                 q = probs_for([params[active[j]] for j in sampled], logits[sampled])  # [s, vocab]
-                gens = [seqs[active[j]].draft_generator_at(start[active[j]] + i) for j in sampled]
+                gens = [
+                    seqs[active[j]].draft_generator_at(start[active[j]] + i, logits.device)
+                    for j in sampled
+                ]
                 tokens[sampled] = sample(q, gens)
                 probs[[active[j] for j in sampled], i] = q
             draft[rows, i] = tokens

@@ -17,6 +17,7 @@ import torch
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and a
 # distribution that sharp is a point mass at the argmax for every practical purpose.
 GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # report the sampled token's logprob and this many top ones
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence for `stop`, as the OpenAI API does.
@@ -69,6 +71,14 @@ class SamplingParams:
             or self.max_tokens < 1
         ):
             errors.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            errors.append(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             errors.append("stop must be a non-empty string or a list of non-empty strings")
         if errors:

@@ -248,17 +248,24 @@ class SpeculativeDrafter:
             if k <= 0:
                 continue
             bid = (sid, "branch", g)
-            self.proposer.fork(sid, bid)
+            try:
+                self.proposer.fork(sid, bid)
+            except Exception:
+                self._free_states(states)
+                raise
             states.append(SequenceState(bid, prefix, seq.params))
             parents.append(sid)
             guesses.append(guess)
             ks.append(k)
         if not states:
             return []
-        prop = self.proposer.propose(states, max(ks), self.top_m, should_stop=should_stop)
+        try:  # all or nothing: a failed pass keeps no branch
+            prop = self.proposer.propose(states, max(ks), self.top_m, should_stop=should_stop)
+        except Exception:
+            self._free_states(states)
+            raise
         if prop is None:
-            for st in states:
-                self.proposer.free(st.seq_id)
+            self._free_states(states)
             return None
         branches = []
         for row, (state, sid, guess) in enumerate(zip(states, parents, guesses, strict=True)):
@@ -268,6 +275,10 @@ class SpeculativeDrafter:
             self._branches.setdefault(sid, []).append(br)
             branches.append(br)
         return branches
+
+    def _free_states(self, states: list[SequenceState]) -> None:
+        for st in states:
+            self.proposer.free(st.seq_id)
 
 
 def _drafts_of(prop, row: int, n: int, params: SamplingParams) -> Drafts:

@@ -98,3 +98,35 @@ def best_k(
         if rate > best_rate:
             best, best_rate = k, rate
     return best, best_rate
+
+
+def break_even_alpha(k: int, cost_ratio: float, verify_ratio: float = 1.0) -> float:
+    """The per-token acceptance at which ``k`` drafts per round give speedup exactly 1.
+
+    With ``c = T_d / T_v(k + 1)`` (``cost_ratio``) and ``r = T_v(k + 1) / T_t(1)``
+    (``verify_ratio``, 1 while verification is memory-bound), the sequential speedup is
+    ``S = E(k) / (r · (1 + k·c))``, so break-even solves ``E(k) = r · (1 + k·c)``. ``E``
+    rises from 1 at α = 0 to k + 1 at α = 1, so the root is unique: 0.0 when speculation
+    pays at any acceptance, 1.0 when it never pays. For the overlapped pipeline with hit
+    rate ``h`` pass ``(1 - h) · c``. Drift alerts use it as the level below which a domain
+    loses time, not just acceptance.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if cost_ratio < 0.0 or verify_ratio <= 0.0:
+        raise ValueError(
+            f"need cost_ratio >= 0 and verify_ratio > 0, got {cost_ratio}, {verify_ratio}"
+        )
+    needed = verify_ratio * (1.0 + k * cost_ratio)  # tokens per round that pay for the round
+    if needed <= 1.0:
+        return 0.0
+    if needed >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection to float precision: E(k) is increasing in α
+        mid = 0.5 * (lo + hi)
+        if expected_tokens_per_round(mid, k) < needed:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
