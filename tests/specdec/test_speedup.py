@@ -2,6 +2,7 @@ import pytest
 
 from specdec.speedup import (
     best_k,
+    break_even_alpha,
     estimate_alpha,
     expected_tokens_per_round,
     overlapped_round_time,
@@ -41,3 +42,18 @@ def test_best_k_trades_acceptance_against_cost():
     assert k_high > k_low >= 1
     # Acceptance too low for the draft cost: no speculation.
     assert best_k(0.05, 5.0, verify) == (0, pytest.approx(0.1))
+
+
+def test_break_even_alpha_gives_speedup_one():
+    # c = T_d / T_v = 0.1, k = 4, memory-bound verify (T_v(k+1) = T_t(1)): E(4) = 1.4.
+    alpha = break_even_alpha(4, 0.1)
+    assert speedup(alpha, 4, t_draft=1.2, t_verify=12.0, t_target=12.0) == pytest.approx(1.0)
+    assert (
+        speedup(alpha + 0.01, 4, 1.2, 12.0, 12.0) > 1.0 > speedup(alpha - 0.01, 4, 1.2, 12.0, 12.0)
+    )
+    # A verify pass dearer than a plain step (r = 1.2) raises the bar.
+    assert break_even_alpha(4, 0.1, verify_ratio=1.2) > alpha
+    assert break_even_alpha(4, 0.0) == 0.0  # free drafts pay at any acceptance
+    assert break_even_alpha(4, 1.0) == 1.0  # drafting costs a verify: never pays
+    with pytest.raises(ValueError):
+        break_even_alpha(0, 0.1)

@@ -1,0 +1,442 @@
+"""Acceptance-drift detection per domain: a Bernoulli CUSUM on per-token acceptance.
+
+A domain's acceptance drops when its traffic moves away from what the draft was trained
+on (a tenant starts sending code to a chat draft). Engines only count acceptance; an
+operator needs to be told, quickly and without pages for noise. This module is the pure
+detector: numpy state per domain, no Ray, no OpenTelemetry (the monitor actor feeds it
+batched round outcomes and turns its events into alerts).
+
+**Observations.** A verification round with ``d`` drafts and ``a`` accepted is a censored
+geometric run of per-token Bernoulli(α) outcomes: ``a`` ones, then one zero if ``a < d``
+(no rejection is observed when ``a == d``). Its likelihood ``α^a (1 - α)^[a < d]``
+depends on the data only through the accepted tokens ``A`` and the rejections ``R``, the
+same sufficient statistics as ``α̂ = A / (A + R)`` (DESIGN.md, never the raw ratio).
+
+**Test** (Page's CUSUM, https://doi.org/10.1093/biomet/41.1-2.100). In control
+``α = α_0``, learned over a warm-up; out of control ``α = α_1 = max(break-even, α_0 - δ)``:
+the acceptance at which speculation with the current ``k`` and measured costs stops
+paying, or a drop of ``δ``, whichever is reached first. Each increment is the
+log-likelihood ratio of a round's tokens, the sum of their Bernoulli ratios::
+
+    llr = A · log(α_1 / α_0) + R · log((1 - α_1) / (1 - α_0))
+    S   = max(0, S + llr),   fire when S >= h.
+
+**Threshold.** ``exp(llr)`` has mean one under ``α_0``, so an excursion of ``S`` away
+from 0 reaches ``h`` with probability at most ``e^-h`` (Wald); the CUSUM is a sequence of
+such excursions, each at least one increment long, so the in-control average run length
+is ``ARL_0 >= e^h`` increments (Lorden 1971), hence ``>= e^h`` rounds and tokens: we set
+``h = log(target ARL in rounds)``. The bound is loose: at α = 0.75, k = 4, h = 12.2 the
+measured rate is about one false alarm per 10^6 rounds, e^h is 2·10^5. It holds for any
+``α_1`` fixed before the round it scores (``k`` and costs may change), but assumes
+``α_0`` is the true baseline: a warm-up estimate that is high by chance shortens
+``ARL_0``, which is why the warm-up is thousands of tokens.
+
+**Granularity.** The rounds of one domain in one :meth:`DriftMonitor.observe` call form
+one increment, clipped at 0 as a whole: one call costs a few numpy passes however many
+domains it holds. Clipping per token (between a round's accepted tokens and its
+rejection) could only make ``S`` larger; the pooled form is the conservative side and the
+bound above holds for it.
+
+**Resolve, with hysteresis.** While firing, a reverse CUSUM tests "still degraded" against
+"back at ``α_0``" with the same kind of increments. Its null sits only part of the way
+down (``α_r = α_0 - resolve_fraction · (α_0 - α_1)``), so between the level where the
+forward test drifts up and the one where the reverse test does there is a dead band in
+which neither moves: acceptance hovering near the alert level cannot make it flap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.speedup import break_even_alpha
+
+_ALPHA_MIN, _ALPHA_MAX = 1e-3, 1.0 - 1e-3  # keep the log-likelihood ratios finite
+_break_even = lru_cache(maxsize=4096)(break_even_alpha)  # (k, cost, verify) repeat a lot
+
+
+class DriftState(str, Enum):
+    """Where a domain's detector stands (RESOLVED monitors exactly like IN_CONTROL)."""
+
+    WARMING_UP = "warming_up"
+    IN_CONTROL = "in_control"
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
+_STATES = list(DriftState)  # the int8 codes in DriftMonitor._state index this
+_WARMING, _IN_CONTROL, _FIRING, _RESOLVED = range(4)
+
+
+class DriftConfig(BaseModel):
+    """Parameters of the drift detector (the same schema in Python and serve YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    warmup_tokens: int = Field(
+        8000,
+        ge=1,
+        description="Per-token outcomes (accepted tokens + rejections, the denominator of "
+        "alpha_hat) that learn a domain's baseline alpha_0 before it is monitored: about "
+        "2900 rounds at alpha 0.75 and k 4. A short warm-up leaves a baseline that is high "
+        "by chance often enough to cost false alarms.",
+    )
+    delta: float = Field(
+        0.25,
+        gt=0.0,
+        lt=1.0,
+        description="Drop of per-token acceptance the test is tuned to: "
+        "alpha_1 = max(break-even acceptance, alpha_0 - delta).",
+    )
+    target_arl_rounds: float = Field(
+        2e5,
+        gt=1.0,
+        description="Guaranteed lower bound on the in-control average run length, in "
+        "rounds between false alarms: threshold h = log(target_arl_rounds) (ARL_0 >= e^h). "
+        "The bound is loose: the default measures about 1e6 rounds at alpha 0.75, k 4.",
+    )
+    resolve_fraction: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="The resolve test's null sits this fraction of the way from alpha_0 "
+        "down to alpha_1. 1 tests alpha_1 against alpha_0 (no hysteresis); smaller values "
+        "need acceptance closer to the baseline to resolve.",
+    )
+    resolve_arl_rounds: float | None = Field(
+        None,
+        gt=1.0,
+        description="Like target_arl_rounds, for the reverse (resolve) CUSUM; None: the same.",
+    )
+    cost_ratio: float = Field(
+        0.0,
+        ge=0.0,
+        description="Draft step cost over target verify cost, T_d / T_v(k+1), until "
+        "set_costs() reports measured ones. 0: break-even is 0 and alerts follow delta.",
+    )
+    verify_ratio: float = Field(
+        1.0,
+        gt=0.0,
+        description="T_v(k+1) / T_t(1), verify pass over plain decoding step, until "
+        "set_costs() reports measured ones (1 while decoding is memory-bound).",
+    )
+    max_domains: int = Field(
+        256,
+        ge=1,
+        description="Domains tracked by name; later ones share the overflow domain, so "
+        "memory and alert cardinality stay bounded whatever clients send.",
+    )
+    overflow_domain: str = Field(
+        "__overflow__", description="Name of the domain that pools domains past max_domains."
+    )
+    default_domain: str = Field("default", description="Domain of rounds that carry none.")
+
+    @property
+    def threshold(self) -> float:
+        """h of the forward (fire) CUSUM, in nats."""
+        return math.log(self.target_arl_rounds)
+
+    @property
+    def resolve_threshold(self) -> float:
+        """h of the reverse (resolve) CUSUM, in nats."""
+        return math.log(self.resolve_arl_rounds or self.target_arl_rounds)
+
+
+@dataclass(frozen=True)
+class DriftEvent:
+    """A domain's alert fired (acceptance dropped) or resolved (it came back)."""
+
+    kind: Literal["fire", "resolve"]
+    domain: str
+    baseline: float  # alpha_0, learned over the warm-up
+    current: float  # alpha_hat over `rounds`
+    rounds: int  # rounds since the CUSUM last left 0: since the estimated change point
+    break_even: float  # acceptance at which speculation with `k` drafts gives speedup 1
+    k: int  # draft length of the domain's latest rounds (the largest in their call)
+    alternative: float  # alpha_1, the level the fire test was tuned to
+    below_break_even: bool  # break_even >= alpha_0: the domain loses time even in control
+
+
+@dataclass(frozen=True)
+class DomainStatus:
+    """A snapshot of one domain's detector (for stats endpoints and dashboards)."""
+
+    domain: str
+    state: DriftState
+    baseline: float | None  # None while warming up
+    alternative: float | None
+    break_even: float
+    below_break_even: bool
+    k: int
+    statistic: float  # S of the running test: reverse while firing, forward otherwise
+    threshold: float
+    rounds: int  # rounds since that statistic last left 0
+    current: float | None  # alpha_hat over those rounds (None: no evidence)
+    warmup_seen: int  # tokens learnt into the baseline so far
+
+
+def llr_coefficients(alpha0, alpha1):
+    """Log-likelihood ratio of ``α_1`` against ``α_0`` per accepted token and per rejection.
+
+    Works on scalars and arrays alike; an increment is ``A · l_accept + R · l_reject``.
+    """
+    alpha0, alpha1 = np.asarray(alpha0, float), np.asarray(alpha1, float)
+    return np.log(alpha1 / alpha0), np.log((1.0 - alpha1) / (1.0 - alpha0))
+
+
+def cusum_step(s, accepted, rejections, l_accept, l_reject):
+    """``S = max(0, S + A · l_accept + R · l_reject)``, elementwise (all shapes [slots])."""
+    return np.maximum(0.0, s + accepted * l_accept + rejections * l_reject)
+
+
+def alternative_alpha(alpha0: float, break_even: float, delta: float) -> tuple[float, bool]:
+    """``α_1`` and whether the domain is below break-even even in control.
+
+    ``α_1`` must stay below ``α_0`` for the test to mean "dropped": where break-even is
+    at or above ``α_0`` the domain already loses time, which is flagged, and the test falls
+    back to a drop of ``delta``.
+    """
+    below = break_even >= alpha0
+    alpha1 = alpha0 - delta if below else max(break_even, alpha0 - delta)
+    return max(alpha1, _ALPHA_MIN), below
+
+
+class DriftMonitor:
+    """CUSUM drift detectors for many domains, updated together from batched rounds.
+
+    State lives in arrays of shape ``[max_domains + 1]`` (the last slot is the overflow
+    domain), so :meth:`observe` costs a few numpy passes per call, not per round.
+    """
+
+    def __init__(self, config: DriftConfig | None = None) -> None:
+        self.config = cfg = config or DriftConfig()
+        n = cfg.max_domains + 1
+        self._slot_of: dict[str, int] = {cfg.overflow_domain: n - 1}
+        self._names = [""] * (n - 1) + [cfg.overflow_domain]  # slot -> domain
+        self._h, self._h_rev = cfg.threshold, cfg.resolve_threshold
+        self._state = np.zeros(n, np.int8)  # codes of _STATES
+        self._k = np.zeros(n, np.int64)  # drafts per round, latest rounds
+        self._cost = np.full(n, cfg.cost_ratio)  # T_d / T_v(k+1)
+        self._verify = np.full(n, cfg.verify_ratio)  # T_v(k+1) / T_t(1)
+        self._warm = np.zeros((n, 2))  # [slot, (accepted, rejections)] during warm-up
+        self._alpha0 = np.zeros(n)
+        self._alpha1 = np.zeros(n)
+        self._break_even = np.zeros(n)
+        self._below = np.zeros(n, bool)
+        self._l_acc = np.zeros(n)  # forward llr per accepted token / per rejection
+        self._l_rej = np.zeros(n)
+        self._r_acc = np.zeros(n)  # reverse llr, same units
+        self._r_rej = np.zeros(n)
+        self._s = np.zeros(n)  # forward CUSUM, nats
+        self._s_rev = np.zeros(n)  # reverse CUSUM, nats (runs only while firing)
+        self._run = np.zeros((n, 3))  # [slot, (rounds, accepted, rejections)] since S left 0
+        self._rev_run = np.zeros((n, 3))  # the same for the reverse CUSUM
+
+    # -- domains ---------------------------------------------------------------------
+
+    @property
+    def domains(self) -> list[str]:
+        """Tracked domain names (the overflow domain included)."""
+        return list(self._slot_of)
+
+    def _slot(self, domain: str | None) -> int:
+        if domain is None:
+            domain = self.config.default_domain
+        slot = self._slot_of.get(domain)
+        if slot is None:
+            slot = len(self._slot_of) - 1  # named slots in use (overflow is in the dict)
+            if slot >= self.config.max_domains:
+                return len(self._names) - 1
+            self._slot_of[domain] = slot
+            self._names[slot] = domain
+        return slot
+
+    def _known(self, domain: str) -> int:
+        if domain not in self._slot_of:
+            raise KeyError(f"unknown drift domain {domain!r}")
+        return self._slot_of[domain]
+
+    # -- updates ---------------------------------------------------------------------
+
+    def observe(
+        self,
+        domains: str | Sequence[str | None] | None,
+        drafted,
+        accepted,
+    ) -> list[DriftEvent]:
+        """Feed verification rounds; returns the alerts that fired or resolved.
+
+        ``drafted[i]`` and ``accepted[i]`` are round ``i``'s draft and accepted counts
+        (shape [rounds]); ``domains`` names each round's domain, or is one name for all.
+        Rounds without drafts (speculation off) carry no evidence and are skipped.
+        """
+        drafted = np.atleast_1d(np.asarray(drafted, dtype=np.int64))  # [rounds]
+        accepted = np.atleast_1d(np.asarray(accepted, dtype=np.int64))  # [rounds]
+        if drafted.ndim != 1 or drafted.shape != accepted.shape:
+            raise ValueError(f"need equal 1-d shapes, got {drafted.shape}, {accepted.shape}")
+        if ((accepted < 0) | (accepted > drafted)).any():
+            raise ValueError("need 0 <= accepted <= drafted in every round")
+        slots = self._slots(domains, len(drafted))  # [rounds]
+        keep = drafted > 0
+        if not keep.all():
+            slots, drafted, accepted = slots[keep], drafted[keep], accepted[keep]
+
+        n = len(self._names)
+        stats = np.empty((n, 3))  # [slot, (rounds, accepted tokens, rejections)]
+        stats[:, 0] = np.bincount(slots, minlength=n)
+        stats[:, 1] = np.bincount(slots, accepted, minlength=n)
+        stats[:, 2] = np.bincount(slots, (accepted < drafted).astype(float), minlength=n)
+        touched = stats[:, 0] > 0
+        k = np.zeros(n, np.int64)  # [slot] drafts per round, this call
+        np.maximum.at(k, slots, drafted)
+
+        state = self._state.copy()  # the states this call's rounds are scored under
+        for slot in np.flatnonzero(touched & (k != self._k)):  # rare: k moved
+            self._k[slot] = k[slot]
+            self._refresh(slot)
+
+        warming = touched & (state == _WARMING)
+        if warming.any():
+            self._warm[warming] += stats[warming, 1:]
+            done = warming & (self._warm.sum(1) >= self.config.warmup_tokens)
+            for slot in np.flatnonzero(done):
+                acc, rej = self._warm[slot]
+                self._alpha0[slot] = min(max(acc / (acc + rej), 2 * _ALPHA_MIN), _ALPHA_MAX)
+                self._state[slot] = _IN_CONTROL
+                self._refresh(slot)
+
+        events: list[DriftEvent] = []
+        fwd = touched & ((state == _IN_CONTROL) | (state == _RESOLVED))
+        if fwd.any():
+            self._s, self._run = self._advance(
+                fwd, stats, self._s, self._run, self._l_acc, self._l_rej
+            )
+            for slot in np.flatnonzero(fwd & (self._s >= self._h)):
+                events.append(self._event("fire", slot, self._run[slot]))
+                self._state[slot] = _FIRING
+                self._s[slot], self._run[slot] = 0.0, 0.0
+                self._s_rev[slot], self._rev_run[slot] = 0.0, 0.0
+
+        rev = touched & (state == _FIRING)
+        if rev.any():
+            self._s_rev, self._rev_run = self._advance(
+                rev, stats, self._s_rev, self._rev_run, self._r_acc, self._r_rej
+            )
+            for slot in np.flatnonzero(rev & (self._s_rev >= self._h_rev)):
+                events.append(self._event("resolve", slot, self._rev_run[slot]))
+                self._state[slot] = _RESOLVED
+                self._s[slot], self._run[slot] = 0.0, 0.0
+        return events
+
+    def _slots(self, domains: str | Sequence[str | None] | None, count: int) -> np.ndarray:
+        """Slot of each round ([count]); registers new domains up to the limit."""
+        if domains is None or isinstance(domains, str):
+            return np.full(count, self._slot(domains), np.intp)
+        if len(domains) != count:
+            raise ValueError(f"{len(domains)} domains for {count} rounds")
+        try:  # fast path: every domain already tracked by name
+            return np.fromiter(map(self._slot_of.__getitem__, domains), np.intp, count)
+        except KeyError:  # new, past the limit, or None
+            return np.fromiter(map(self._slot, domains), np.intp, count)
+
+    @staticmethod
+    def _advance(mask, stats, s, run, l_acc, l_rej):
+        """One CUSUM increment for the slots in ``mask``; the run restarts where S is 0."""
+        new = cusum_step(s, stats[:, 1], stats[:, 2], l_acc, l_rej)  # [slots]
+        new_run = np.where((new > 0.0)[:, None], run + stats, 0.0)  # [slots, 3]
+        return np.where(mask, new, s), np.where(mask[:, None], new_run, run)
+
+    def set_costs(
+        self, cost_ratio: float, *, verify_ratio: float = 1.0, domain: str | None = None
+    ) -> None:
+        """Measured costs moved (``T_d / T_v(k+1)``, ``T_v(k+1) / T_t(1)``): recompute
+        break-even and ``α_1`` for one domain, or for all when ``domain`` is None."""
+        if cost_ratio < 0.0 or verify_ratio <= 0.0:
+            raise ValueError("need cost_ratio >= 0 and verify_ratio > 0")
+        slots = range(len(self._names)) if domain is None else [self._slot(domain)]
+        for slot in slots:
+            self._cost[slot], self._verify[slot] = cost_ratio, verify_ratio
+            self._refresh(slot)
+
+    def _refresh(self, slot: int) -> None:
+        """Break-even, ``α_1`` and both tests' llr coefficients of a monitored slot."""
+        if self._state[slot] == _WARMING or self._k[slot] < 1:
+            return
+        alpha0 = float(self._alpha0[slot])
+        be = _break_even(int(self._k[slot]), float(self._cost[slot]), float(self._verify[slot]))
+        alpha1, below = alternative_alpha(alpha0, be, self.config.delta)
+        alpha_r = alpha0 - self.config.resolve_fraction * (alpha0 - alpha1)  # resolve null
+        self._break_even[slot], self._alpha1[slot], self._below[slot] = be, alpha1, below
+        self._l_acc[slot], self._l_rej[slot] = llr_coefficients(alpha0, alpha1)
+        self._r_acc[slot], self._r_rej[slot] = llr_coefficients(alpha_r, alpha0)
+
+    # -- operator actions --------------------------------------------------------------
+
+    def acknowledge(self, domain: str) -> None:
+        """The operator accepts the domain's new acceptance as normal: learn it again.
+
+        No resolve event follows: the operator closed the alert, the sink knows it.
+        """
+        self._reset([self._known(domain)])
+
+    def rebaseline_all(self) -> None:
+        """A new draft was deployed: every baseline is stale, all domains warm up again."""
+        self._reset(slice(None))
+
+    def _reset(self, slots) -> None:
+        self._state[slots] = _WARMING
+        self._warm[slots] = 0.0
+        self._s[slots], self._s_rev[slots] = 0.0, 0.0
+        self._run[slots], self._rev_run[slots] = 0.0, 0.0
+        self._alpha0[slots], self._alpha1[slots] = 0.0, 0.0
+        self._below[slots] = False
+
+    # -- reading -----------------------------------------------------------------------
+
+    def status(self, domain: str) -> DomainStatus:
+        """A snapshot of one tracked domain (KeyError for a domain never seen)."""
+        slot = self._known(domain)
+        state = _STATES[self._state[slot]]
+        firing = state is DriftState.FIRING
+        run = self._rev_run[slot] if firing else self._run[slot]
+        monitored = state is not DriftState.WARMING_UP
+        return DomainStatus(
+            domain=domain,
+            state=state,
+            baseline=float(self._alpha0[slot]) if monitored else None,
+            alternative=float(self._alpha1[slot]) if monitored else None,
+            break_even=float(self._break_even[slot]),
+            below_break_even=bool(self._below[slot]),
+            k=int(self._k[slot]),
+            statistic=float(self._s_rev[slot] if firing else self._s[slot]),
+            threshold=self._h_rev if firing else self._h,
+            rounds=int(run[0]),
+            current=_alpha_hat(run[1], run[2]),
+            warmup_seen=int(self._warm[slot].sum()),
+        )
+
+    def _event(self, kind: Literal["fire", "resolve"], slot: int, run) -> DriftEvent:
+        return DriftEvent(
+            kind=kind,
+            domain=self._names[slot],
+            baseline=float(self._alpha0[slot]),
+            current=_alpha_hat(run[1], run[2]) or 0.0,
+            rounds=int(run[0]),
+            break_even=float(self._break_even[slot]),
+            k=int(self._k[slot]),
+            alternative=float(self._alpha1[slot]),
+            below_break_even=bool(self._below[slot]),
+        )
+
+
+def _alpha_hat(accepted: float, rejections: float) -> float | None:
+    """α̂ = A / (A + R), the censored-geometric MLE (None without evidence)."""
+    total = accepted + rejections
+    return float(accepted / total) if total > 0 else None

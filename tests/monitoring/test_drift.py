@@ -1,0 +1,256 @@
+"""The drift detector against the issue's figures, on seeded synthetic rounds.
+
+Rounds are censored geometric: k = 4 drafts, accepted = leading Bernoulli(α) successes
+capped at k. Many independent streams run side by side (one domain each), so a figure
+over 10^6 rounds is a few thousand vectorized ``observe`` calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from monitoring.drift import (
+    DriftConfig,
+    DriftMonitor,
+    DriftState,
+    alternative_alpha,
+    cusum_step,
+    llr_coefficients,
+)
+
+K = 4
+WARMUP_ROUNDS = 3100  # > the ~2930 rounds the default 8000-token warm-up takes at α = 0.75
+SHIFT_AT = WARMUP_ROUNDS + 200  # rounds in control before acceptance drops
+
+
+def censored_rounds(rng, alpha: float, n: int, k: int = K):
+    """One round for each of ``n`` streams: (drafted [n], accepted [n])."""
+    accepted = np.minimum(rng.geometric(1.0 - alpha, size=n) - 1, k)  # successes before a failure
+    return np.full(n, k), accepted
+
+
+def simulate(monitors, n: int, alphas, seed: int):
+    """Feed the same ``n`` streams, with acceptance ``alphas[t]`` at round ``t``, to each
+    monitor; returns per monitor the events as (round, stream, event)."""
+    rng = np.random.default_rng(seed)
+    names = [f"s{i}" for i in range(n)]
+    out = [[] for _ in monitors]
+    for t, alpha in enumerate(alphas):
+        drafted, accepted = censored_rounds(rng, alpha, n)
+        for mon, events in zip(monitors, out, strict=True):
+            events += [(t, int(e.domain[1:]), e) for e in mon.observe(names, drafted, accepted)]
+    return out
+
+
+def detection_delays(n: int = 200, seed: int = 0, after: int = 150):
+    """Rounds from the drop 0.75 -> 0.45 to the first alarm, per stream ([n], inf: none;
+    -1: a false alarm before the drop)."""
+    alphas = [0.75] * SHIFT_AT + [0.45] * after
+    mon = DriftMonitor(DriftConfig(max_domains=n))
+    (events,) = simulate([mon], n, alphas, seed)
+    delay = np.full(n, np.inf)
+    for t, i, e in events:
+        if e.kind == "fire" and delay[i] == np.inf:
+            delay[i] = t - SHIFT_AT + 1 if t >= SHIFT_AT else -1
+    return delay, events
+
+
+def stationary_false_alarms(configs, n: int = 250, rounds: int = 4000, seed: int = 1):
+    """Fire events per config over ``n · rounds`` monitored rounds at α = 0.75."""
+    monitors = [DriftMonitor(c.model_copy(update={"max_domains": n})) for c in configs]
+    out = simulate(monitors, n, [0.75] * (WARMUP_ROUNDS + rounds), seed)
+    for mon in monitors:  # every stream was monitored for the counted rounds
+        assert mon.status("s0").state is not DriftState.WARMING_UP
+    return [sum(e.kind == "fire" for _, _, e in events) for events in out]
+
+
+# -- the issue's figures -------------------------------------------------------------
+
+
+def test_drop_is_caught_within_50_rounds_in_95_percent_of_runs():
+    delay, events = detection_delays()
+    assert (delay != -1).all()  # no false alarm before the drop
+    assert np.mean(delay <= 50) >= 0.95
+    fire = next(e for _, _, e in events if e.kind == "fire")
+    assert fire.baseline == pytest.approx(0.75, abs=0.03)
+    assert fire.current < 0.6 and fire.k == K and fire.break_even == 0.0
+    assert fire.alternative == pytest.approx(fire.baseline - 0.25)
+
+
+@pytest.fixture(scope="module")
+def false_alarms():
+    """Default detector, and one whose h is too low (ARL bound e^9 rounds), on the same
+    10^6 stationary rounds."""
+    return stationary_false_alarms([DriftConfig(), DriftConfig(target_arl_rounds=math.exp(9))])
+
+
+def test_at_most_one_false_alarm_in_a_million_stationary_rounds(false_alarms):
+    assert false_alarms[0] <= 1
+
+
+def test_power_a_threshold_too_low_breaks_the_false_alarm_figure(false_alarms):
+    assert false_alarms[1] > 10  # e^9 still guarantees ARL_0 >= 8103 rounds, and holds
+
+
+def test_power_a_flipped_llr_sign_fails_both_figures():
+    """Pure CUSUM with the known baseline on the same streams: the right sign catches the
+    drop and is quiet before it; the flipped one (a test for a *rise*) alarms all the time
+    in control and, after the drop, only on what it had accumulated before it."""
+    rng = np.random.default_rng(2)
+    n, before, after = 200, 300, 50
+    right, flipped = llr_coefficients(0.75, 0.5), llr_coefficients(0.5, 0.75)
+    h = DriftConfig().threshold
+    s = np.zeros((2, n))  # [right/flipped, streams], nats
+    alarms = np.zeros((2, n), int)  # before the drop
+    caught = np.zeros((2, n), bool)  # within `after` rounds of it
+    for t in range(before + after):
+        _, accepted = censored_rounds(rng, 0.75 if t < before else 0.45, n)
+        for j, (l_acc, l_rej) in enumerate((right, flipped)):
+            s[j] = cusum_step(s[j], accepted, accepted < K, l_acc, l_rej)
+            fired = s[j] >= h
+            alarms[j] += fired & (t < before)
+            caught[j] |= fired & (t >= before)
+            s[j][fired] = 0.0
+    assert alarms[0].sum() == 0 and caught[0].mean() >= 0.9
+    assert (alarms[1] >= 5).all() and caught[1].mean() <= 0.05
+
+
+# -- resolve, hysteresis, re-baselining -----------------------------------------------
+
+
+def test_resolves_once_after_acceptance_recovers():
+    n = 100
+    alphas = [0.75] * SHIFT_AT + [0.45] * 150 + [0.75] * 1500
+    mon = DriftMonitor(DriftConfig(max_domains=n))
+    (events,) = simulate([mon], n, alphas, seed=3)
+    kinds = [[] for _ in range(n)]
+    for t, i, e in events:
+        kinds[i].append((e.kind, t))
+    recovered = SHIFT_AT + 150
+    for per_stream in kinds:
+        assert [k for k, _ in per_stream] == ["fire", "resolve"]  # no flapping after it
+        assert per_stream[1][1] >= recovered
+    resolves = [e for _, _, e in events if e.kind == "resolve"]
+    assert np.median([t - recovered for t, _, e in events if e.kind == "resolve"]) < 400
+    assert all(e.current > 0.65 for e in resolves)
+    assert all(mon.status(f"s{i}").state is DriftState.RESOLVED for i in range(n))
+
+
+def test_hysteresis_holds_the_alert_near_the_alert_level():
+    """Acceptance parked between α_1 and α_0 after an alert (0.63, where the fire test
+    has no drift): the default stays firing; without a dead band (resolve_fraction 1) it
+    flaps between firing and resolved."""
+    n = 50
+    cfg = DriftConfig(max_domains=n, warmup_tokens=4000)
+    alphas = [0.75] * 1600 + [0.45] * 150 + [0.63] * 2000
+    hyst, flap = DriftMonitor(cfg), DriftMonitor(cfg.model_copy(update={"resolve_fraction": 1.0}))
+    events_hyst, events_flap = simulate([hyst, flap], n, alphas, seed=4)
+    later = [
+        np.bincount([i for t, i, _ in ev if t >= 1750], minlength=n)
+        for ev in (events_hyst, events_flap)
+    ]
+    assert later[0].max() <= 1 and later[0].sum() <= 0.1 * n
+    assert later[1].mean() >= 3
+
+
+def test_acknowledge_learns_the_new_level_and_rebaseline_all_restarts_warm_up():
+    n = 10
+    cfg = DriftConfig(max_domains=n, warmup_tokens=2000)
+    mon = DriftMonitor(cfg)
+    names = [f"s{i}" for i in range(n)]
+    rng = np.random.default_rng(5)
+    for alpha, rounds in ((0.75, 900), (0.45, 150)):
+        for _ in range(rounds):
+            mon.observe(names, *censored_rounds(rng, alpha, n))
+    assert all(mon.status(d).state is DriftState.FIRING for d in names)
+
+    mon.acknowledge("s0")
+    status = mon.status("s0")
+    assert status.state is DriftState.WARMING_UP and status.warmup_seen == 0
+    assert status.baseline is None
+    events = []
+    for _ in range(1500 + 3000):  # ~1200 rounds of warm-up at 0.45, then in control
+        events += mon.observe(names, *censored_rounds(rng, 0.45, n))
+    status = mon.status("s0")
+    assert status.state is DriftState.IN_CONTROL
+    assert status.baseline == pytest.approx(0.45, abs=0.03)
+    assert not [e for e in events if e.domain == "s0"]  # 0.45 is the new normal
+    assert mon.status("s1").state is DriftState.FIRING  # the others still alert
+
+    mon.rebaseline_all()  # a new draft was deployed
+    assert {mon.status(d).state for d in mon.domains} == {DriftState.WARMING_UP}
+
+
+# -- domains, costs, inputs ----------------------------------------------------------
+
+
+def test_unknown_and_overflow_domains():
+    cfg = DriftConfig(max_domains=2, warmup_tokens=500)
+    mon = DriftMonitor(cfg)
+    mon.observe(["a", "b", "c", "d"], [4, 4, 4, 4], [4, 4, 0, 1])
+    assert sorted(mon.domains) == ["__overflow__", "a", "b"]
+    assert mon.status("__overflow__").warmup_seen == 1 + 2  # c and d pooled: A + R
+    with pytest.raises(KeyError):
+        mon.status("c")  # not tracked by name: bounded cardinality
+    with pytest.raises(KeyError):
+        mon.acknowledge("never-seen")
+
+    mon2 = DriftMonitor(DriftConfig(warmup_tokens=500))
+    mon2.observe(None, [4], [2])  # rounds without a domain
+    assert mon2.status("default").warmup_seen == 3
+
+    # The overflow domain is monitored like any other.
+    rng = np.random.default_rng(6)
+    events = []
+    for alpha, rounds in ((0.75, 400), (0.45, 200)):
+        for _ in range(rounds):
+            drafted, accepted = censored_rounds(rng, alpha, 4)
+            events += mon.observe(["a", "b", "x", "y"], drafted, accepted)
+    fired = {e.domain for e in events if e.kind == "fire"}
+    assert fired == {"a", "b", "__overflow__"}
+
+
+def test_break_even_sets_the_alternative_and_flags_a_losing_domain():
+    assert alternative_alpha(0.75, 0.6, 0.25) == (0.6, False)  # break-even first
+    assert alternative_alpha(0.75, 0.3, 0.25) == (0.5, False)  # the drop of delta first
+    assert alternative_alpha(0.75, 0.8, 0.25) == (0.5, True)  # already losing time
+
+    mon = DriftMonitor(DriftConfig(warmup_tokens=300))
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        mon.observe("chat", *censored_rounds(rng, 0.75, 1))
+    base = mon.status("chat")
+    assert base.state is DriftState.IN_CONTROL and base.k == K
+    mon.set_costs(0.35)  # break-even at k = 4: E(4) = 2.4 -> alpha ~0.66
+    status = mon.status("chat")
+    assert base.baseline - 0.25 < status.break_even < base.baseline
+    assert status.alternative == status.break_even and not status.below_break_even
+    mon.set_costs(0.9, domain="chat")  # E(4) = 4.6: needs alpha ~0.93
+    status = mon.status("chat")
+    assert status.below_break_even and status.break_even > status.baseline
+    assert status.alternative == pytest.approx(status.baseline - 0.25)
+
+
+def test_rounds_without_drafts_are_skipped_and_bad_rounds_rejected():
+    mon = DriftMonitor()
+    assert mon.observe("chat", [0, 0], [0, 0]) == []
+    assert mon.status("chat").warmup_seen == 0 and mon.status("chat").k == 0
+    with pytest.raises(ValueError):
+        mon.observe("chat", [4], [5])
+    with pytest.raises(ValueError):
+        mon.observe(["a", "b"], [4], [1])
+
+
+def test_threshold_and_the_martingale_behind_the_arl_bound():
+    assert DriftConfig(target_arl_rounds=math.exp(10)).threshold == pytest.approx(10.0)
+    l_acc, l_rej = llr_coefficients(0.75, 0.5)
+    assert l_acc < 0.0 < l_rej  # accepted tokens speak for alpha_0, rejections against
+    # E_0[exp(llr of a round)] = 1 over the censored geometric outcomes: the Wald step.
+    a = np.arange(K + 1)
+    p0 = np.where(a < K, 0.75**a * 0.25, 0.75**K)
+    llr = a * l_acc + (a < K) * l_rej
+    assert p0.sum() == pytest.approx(1.0)
+    assert (p0 * np.exp(llr)).sum() == pytest.approx(1.0)
