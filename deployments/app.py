@@ -98,9 +98,13 @@ class SpecServeDeployment:
         return await self.engine.round_timings(reset)
 
     async def check_health(self) -> None:
-        """Serve's health check: a replica whose target cannot be restarted is unhealthy."""
-        if self.engine.health()["error"]:
-            raise RuntimeError(self.engine.health()["error"])
+        """Serve's health check, from the same status as GET /health: unhealthy exactly
+        when /health answers 503 (target failed for good, or being replaced). Serve
+        replaces a replica after 3 failed checks in a row, so a target replacement that
+        takes less than that keeps the replica and its requests."""
+        h = self.engine.health()
+        if h["status"] == "unavailable":
+            raise RuntimeError(h["error"] or "the target worker is being replaced")
 
 
 def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Application:

@@ -2,33 +2,57 @@
 
 Field names and meanings follow the OpenAI API so the official client works unchanged;
 ``speculation`` is SpecServe's extension for per-request control and reporting.
+
+Unknown fields are refused (400 naming the field), and so are known OpenAI fields that
+SpecServe does not implement unless they carry their neutral value (a penalty of 0, an
+empty ``logit_bias``, ``response_format`` text, no tools): a client must never get a
+200 for something that was silently not done.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specdec.sampling import MAX_LOGPROBS
 
 
-class SpeculationOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculationOptions(_Strict):
     """Per-request speculation control (SpecServe extension)."""
 
-    model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(default=True, description="Use speculative decoding for this request.")
     num_speculative_tokens: int | None = Field(
         default=None, ge=0, le=16, description="Draft length k; defaults to the server's setting."
     )
 
 
-class _SamplingFields(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do, so that newer clients work.
-    model_config = ConfigDict(extra="ignore")
+class StreamOptions(_Strict):
+    include_usage: bool = Field(
+        default=False,
+        description="Send a last chunk with `choices: []` and the request's usage.",
+    )
 
+
+def _neutral(name: str, value: Any, neutral: tuple) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{name} is not supported by this server (only {neutral[0]!r})")
+    return value
+
+
+class _SamplingFields(_Strict):
     model: str = Field(description="Served model name (see GET /v1/models).")
     max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    temperature: float | None = Field(
+        default=1.0, ge=0.0, le=2.0, description="0 is greedy decoding; null means 1."
+    )
+    top_p: float | None = Field(
+        default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; null means 1."
+    )
     top_k: int = Field(
         default=-1, ge=-1, description="Keep the k likeliest tokens; -1 or 0 disables."
     )
@@ -36,33 +60,150 @@ class _SamplingFields(BaseModel):
         default=None, ge=0, le=2**63 - 1, description="Seed for reproducible sampling."
     )
     stop: str | list[str] | None = Field(
-        default=None, description="Up to 4 strings that end generation (not included in the text)."
+        default=None,
+        description="Up to 4 strings that end generation, matched on the returned text "
+        "(not included in it).",
     )
-    n: int = Field(default=1, ge=1, description="Choices per prompt; only 1 is supported.")
+    n: int = Field(default=1, ge=1, le=1, description="Choices per prompt; only 1 is supported.")
     stream: bool = Field(default=False, description="Stream Server-Sent Events.")
+    stream_options: StreamOptions | None = Field(
+        default=None, description="Streaming options; only with `stream: true`."
+    )
     user: str | None = Field(default=None, max_length=256, description="End-user id (tenant).")
+    metadata: dict[str, str] | None = Field(
+        default=None, max_length=16, description="Free-form tags (up to 16), not interpreted."
+    )
+    frequency_penalty: float = Field(default=0.0, description="Not supported: only 0.")
+    presence_penalty: float = Field(default=0.0, description="Not supported: only 0.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Not supported: only null or {}."
+    )
     speculation: SpeculationOptions | None = Field(
         default=None, description="SpecServe extension: per-request speculation control."
     )
 
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float, info) -> float:
+        return _neutral(info.field_name, v, (0.0,))
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v, info):
+        if v:
+            raise ValueError("logit_bias is not supported by this server (only null or {})")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(description="Prompt text, or a list of token ids.")
+    echo: bool = Field(default=False, description="Return the prompt before the completion.")
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Log-probabilities of each returned token under the target model, "
+        "with this many likeliest alternatives.",
+    )
+    suffix: None = Field(default=None, description="Not supported: only null.")
+    best_of: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported.")
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
+        return self
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"] = Field(description="Who wrote the message.")
-    content: str = Field(description="Message text.")
+class TextPart(_Strict):
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The part's text.")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="Who wrote the message (`developer` is rendered as `system`)."
+    )
+    content: str | list[TextPart] | None = Field(
+        description="Message text, or a list of text parts; null only on assistant turns."
+    )
+    name: str | None = Field(default=None, max_length=256, description="Author name.")
+    tool_call_id: str | None = Field(
+        default=None, max_length=256, description="For `tool` messages: the call answered."
+    )
+    tool_calls: list[dict[str, Any]] | None = Field(
+        default=None, description="Not supported: only null or []."
+    )
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v:
+            raise ValueError("tool calls are not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _null_content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content may be null only on assistant messages")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="Only plain text is supported.")
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens to generate (replaces max_tokens)."
+    )
+    logprobs: bool = Field(default=False, description="Return the tokens' log-probabilities.")
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Likeliest alternatives per token; needs logprobs: true.",
+    )
+    response_format: ResponseFormat | None = Field(default=None, description="Only text.")
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, description="Not supported: only null or []."
+    )
+    tool_choice: Literal["none"] | None = Field(default=None, description="Only 'none'.")
+    parallel_tool_calls: bool | None = Field(default=None, description="Ignored without tools.")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _logprob_fields(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_completion_tokens or max_tokens, not both")
+        return self
 
 
 class Usage(BaseModel):
     prompt_tokens: int = Field(description="Tokens in the prompt.")
-    completion_tokens: int = Field(description="Tokens generated.")
+    completion_tokens: int = Field(description="Tokens returned.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
 
 
@@ -81,11 +222,18 @@ class SpeculationReport(BaseModel):
     cache_hits: int = Field(description="Rounds whose drafts were prepared during verification.")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(description="Each returned token's text.")
+    token_logprobs: list[float] = Field(description="Its log-probability under the target.")
+    top_logprobs: list[dict[str, float]] | None = Field(description="Likeliest alternatives.")
+    text_offset: list[int] = Field(description="Where each token starts in the text.")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -98,6 +246,20 @@ class CompletionResponse(BaseModel):
     speculation: SpeculationReport | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -107,6 +269,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatChoiceMessage
     finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -143,10 +306,15 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "unavailable"]
-    target: bool
-    draft: bool
-    draft_restarting: bool
-    running: int
-    waiting: int
+    status: Literal["ok", "degraded", "unavailable"] = Field(
+        description="ok: serving with speculation; degraded: serving target-only while a "
+        "draft is replaced (HTTP 200); unavailable: cannot serve now (HTTP 503)."
+    )
+    target: bool = Field(description="The target worker is up.")
+    draft: bool = Field(description="A draft worker is connected.")
+    draft_restarting: bool = Field(description="A replacement draft is being started.")
+    target_restarts: int = Field(description="Target replacements so far.")
+    running: int = Field(description="Sequences in the engine core's batch.")
+    waiting: int = Field(description="Sequences admitted to the core, not yet running.")
     aborted: int = Field(description="Requests whose client left before they finished.")
+    error: str | None = Field(default=None, description="Why the replica cannot serve.")

@@ -1,0 +1,470 @@
+"""The OpenAI endpoints' logic: requests to engine calls, engine outputs to responses.
+
+Kept apart from the FastAPI app (:mod:`deployments.server` only wires routes, errors and
+limits), as vLLM keeps ``OpenAIServingCompletion``/``OpenAIServingChat`` apart from its
+API server. Text comes from the engine, which detokenizes once and matches stop strings
+on exactly the text returned here; this module only shapes it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from deployments.config import AppConfig
+from deployments.engine import EngineError, EngineOverloadedError, RequestOutput, SpecEngine
+from deployments.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionResponse,
+    Health,
+    SpeculationReport,
+    Usage,
+)
+from specdec.sampling import SamplingParams
+
+RETRY_AFTER_S = 5  # what a 503 tells clients to wait before retrying
+
+
+class APIError(Exception):
+    """An error to send in OpenAI's shape; ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, type_: str, code=None, param=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status,
+            message,
+            type_,
+            code,
+            param,
+        )
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
+
+
+def bad_request(message: str, code: str | None = None, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def unavailable(message: str, code: str = "unavailable") -> APIError:
+    return APIError(503, message, "service_unavailable", code)
+
+
+def check_text(text: str, param: str) -> None:
+    """JSON may carry lone UTF-16 surrogates (``"\\ud800"``): no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"{param} is not valid Unicode text (lone surrogate at {exc.start})",
+            "invalid_value",
+            param,
+        ) from None
+
+
+def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
+    """The special token(s) the chat template puts right after an assistant's text.
+
+    Rendering a conversation with and without a final assistant turn shows what the
+    template appends to a turn; its first special token ends the turn (``<|end|>``,
+    ``<|eot_id|>``, ``<|im_end|>``), so generation must stop there.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return ()
+    marker = "SpecServeTurnMarker"
+    try:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+            tokenize=True,
+            return_dict=False,
+        )
+    except Exception:  # a template that cannot render this: rely on the EOS ids
+        return ()
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    text = ""
+    for i, tok in enumerate(ids):
+        text += tokenizer.decode([tok])
+        if marker in text:
+            after = [t for t in ids[i + 1 :] if t in special]
+            return tuple(after[:1])
+    return ()
+
+
+class OpenAIServing:
+    """Completions and chat completions over one engine (per replica)."""
+
+    def __init__(self, config: AppConfig, engine: SpecEngine, tokenizer):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = config.engine.model_name
+        self.chat_stop_ids = end_of_turn_ids(tokenizer)
+
+    # ----- health -------------------------------------------------------------------------
+
+    def health(self) -> tuple[Health, int]:
+        h = self.engine.health()
+        body = Health(
+            status=h["status"],
+            target=h["target"],
+            draft=h["draft"],
+            draft_restarting=h["draft_restarting"],
+            target_restarts=h["target_restarts"],
+            running=h["running"],
+            waiting=h["waiting"],
+            aborted=h["aborted"],
+            error=h["error"] or (None if h["ready"] else "the target worker is being replaced"),
+        )
+        return body, 503 if body.status == "unavailable" else 200
+
+    def check_ready(self) -> None:
+        if not self.engine.ready:
+            raise unavailable(
+                self.engine.health().get("error") or "the engine is not ready; retry shortly"
+            )
+
+    # ----- request -> engine ----------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if not prompt:
+            raise bad_request("prompt must not be empty", "invalid_value", "prompt")
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            if self.tokenizer is None:
+                raise bad_request(
+                    "this model has no tokenizer: send token ids", "invalid_value", "prompt"
+                )
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        vocab = self.engine.target_info["vocab_size"]
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise bad_request(f"token ids must be in [0, {vocab})", "invalid_value", "prompt")
+        return list(prompt)
+
+    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            text = m.text()
+            check_text(text, f"messages.{i}.content")
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": text})
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(
+                "this model has no chat template: use /v1/completions",
+                "unsupported_value",
+                "messages",
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # e.g. a template that refuses a role or an order
+            raise bad_request(
+                f"the chat template cannot render these messages: {exc}",
+                "invalid_value",
+                "messages",
+            ) from None
+
+    def sampling_params(self, req, prompt_len: int, chat: bool) -> SamplingParams:
+        if req.model != self.model_name:
+            raise bad_request(
+                f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                "model_not_found",
+                "model",
+            )
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise bad_request("stop must be up to 4 non-empty strings", "invalid_value", "stop")
+        for s in stop:
+            check_text(s, "stop")
+        vocab = self.engine.target_info["vocab_size"]
+        if req.top_k > vocab:
+            raise bad_request(
+                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab}",
+                "invalid_value",
+                "top_k",
+            )
+        context = self.engine.target_info["max_model_len"]
+        room = context - prompt_len
+        if room < 1:
+            raise bad_request(
+                f"prompt is {prompt_len} tokens; the context length is {context}",
+                "context_length_exceeded",
+                "messages" if chat else "prompt",
+            )
+        field = "max_tokens"
+        asked = req.max_tokens
+        if chat and req.max_completion_tokens is not None:
+            field, asked = "max_completion_tokens", req.max_completion_tokens
+        max_tokens = asked if asked is not None else min(self.config.default_max_tokens, room)
+        if prompt_len + max_tokens > context:
+            raise bad_request(
+                f"prompt ({prompt_len} tokens) + {field} ({max_tokens}) exceeds "
+                f"the context length {context}",
+                "context_length_exceeded",
+                field,
+            )
+        # Chat asks with a flag and a count, completions with a count alone.
+        chat_logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
+        logprobs = chat_logprobs if chat else req.logprobs
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            stop_token_ids=self.chat_stop_ids if chat else (),
+            logprobs=logprobs,
+        )
+
+    def speculation_args(self, req) -> dict[str, Any]:
+        spec = req.speculation
+        limit = self.config.engine.speculation.max_speculative_tokens
+        if spec is not None and (spec.num_speculative_tokens or 0) > limit:
+            raise bad_request(
+                f"num_speculative_tokens must be <= {limit}",
+                "invalid_value",
+                "speculation.num_speculative_tokens",
+            )
+        return {
+            "speculation": spec.enabled if spec else True,
+            "num_speculative_tokens": spec.num_speculative_tokens if spec else None,
+        }
+
+    async def _run(self, prompt_ids, params, args) -> AsyncIterator[RequestOutput]:
+        stream = self.engine.generate(prompt_ids, params, **args)
+        try:
+            async for out in stream:
+                yield out
+        except EngineOverloadedError as exc:
+            raise unavailable(str(exc), "overloaded") from exc
+        except EngineError as exc:
+            raise unavailable(str(exc), "engine_error") from exc
+        except ValueError as exc:  # the engine's own checks (callers other than HTTP too)
+            raise bad_request(str(exc)) from exc
+        finally:
+            await stream.aclose()  # a client that went away frees its sequence now
+
+    # ----- engine -> response -----------------------------------------------------------------
+
+    def report(self, out: RequestOutput | None, args: dict[str, Any]) -> SpeculationReport:
+        s = out.stats if out else None
+        k = args["num_speculative_tokens"]
+        enabled = args["speculation"] and self.engine.config.draft is not None
+        default_k = self.config.engine.speculation.num_speculative_tokens
+        return SpeculationReport(
+            enabled=enabled,
+            num_speculative_tokens=(default_k if k is None else k) if enabled else 0,
+            drafted=s.drafted if s else 0,
+            accepted=s.accepted if s else 0,
+            acceptance_rate=round(s.acceptance_rate, 4) if s else 0.0,
+            mean_acceptance_length=round(s.mean_acceptance_length, 4) if s else 0.0,
+            rounds=s.rounds if s else 0,
+            cache_hits=s.cache_hits if s else 0,
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def chat_logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
+        entries = []
+        for tok, (lp, top) in zip(out.new_token_ids, out.logprobs or [], strict=False):
+            text = self._token_text(tok)
+            entries.append(
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self._token_text(i)),
+                            "logprob": v,
+                            "bytes": list(t.encode("utf-8")),
+                        }
+                        for i, v in top
+                    ],
+                }
+            )
+        return entries
+
+    def completion_logprobs(self, out: RequestOutput, offset: int) -> dict[str, list]:
+        acc: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for tok, (lp, top) in zip(out.new_token_ids, out.logprobs or [], strict=False):
+            text = self._token_text(tok)
+            acc["tokens"].append(text)
+            acc["token_logprobs"].append(lp)
+            acc["top_logprobs"].append({self._token_text(i): v for i, v in top})
+            acc["text_offset"].append(offset)
+            offset += len(text)
+        return acc
+
+    async def create(self, req, chat: bool):
+        self.check_ready()  # before anything reads the target's facts
+        if chat:
+            prompt_ids = self.encode_chat(req)
+            echo = ""
+        else:
+            prompt_ids = self.encode_prompt(req.prompt)
+            echo = ""
+            if req.echo:
+                echo = (
+                    req.prompt
+                    if isinstance(req.prompt, str)
+                    else (self.tokenizer.decode(req.prompt) if self.tokenizer else "")
+                )
+        params = self.sampling_params(req, len(prompt_ids), chat)
+        args = self.speculation_args(req)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        gen = self._run(prompt_ids, params, args)
+        try:  # start before the response does, so that errors become proper statuses
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        if req.stream:
+            return StreamingResponse(
+                self._events(req, rid, gen, first, prompt_ids, params, args, chat, echo),
+                media_type="text/event-stream",
+            )
+        return await self._whole(req, rid, gen, first, prompt_ids, params, args, chat, echo)
+
+    async def _whole(self, req, rid, gen, first, prompt_ids, params, args, chat, echo):
+        text, last = echo, first
+        chat_lps: list[dict[str, Any]] = []
+        comp_lps: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        out = first
+        try:
+            while out is not None:
+                last = out
+                if params.logprobs is not None:
+                    if chat:
+                        chat_lps += self.chat_logprobs(out)
+                    else:
+                        for key, values in self.completion_logprobs(out, len(text)).items():
+                            comp_lps[key] += values
+                text += out.text or ""
+                out = await gen.__anext__() if not out.finished else None
+        except StopAsyncIteration:
+            pass
+        finally:
+            await gen.aclose()
+        n_out = last.num_output_tokens if last else 0
+        usage = Usage(
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=n_out,
+            total_tokens=len(prompt_ids) + n_out,
+        )
+        finish = last.finish_reason if last else "length"
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"content": text},
+                "finish_reason": finish,
+            }
+            if params.logprobs is not None:
+                choice["logprobs"] = {"content": chat_lps}
+            return ChatCompletionResponse(
+                id=rid,
+                created=int(time.time()),
+                model=self.model_name,
+                choices=[choice],
+                usage=usage,
+                speculation=self.report(last, args),
+            )
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        if params.logprobs is not None:
+            choice["logprobs"] = comp_lps
+        return CompletionResponse(
+            id=rid,
+            created=int(time.time()),
+            model=self.model_name,
+            choices=[choice],
+            usage=usage,
+            speculation=self.report(last, args),
+        )
+
+    async def _events(self, req, rid, gen, first, prompt_ids, params, args, chat, echo):
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def chunk(choices: list[dict], extra: dict | None = None) -> str:
+            body = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            body.update(extra or {})
+            return f"data: {json.dumps(body)}\n\n"
+
+        def piece(out: RequestOutput | None, text: str, finish: str | None, offset: int):
+            if chat:
+                delta = {"content": text}
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+                if params.logprobs is not None and out is not None:
+                    choice["logprobs"] = {"content": self.chat_logprobs(out)}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                if params.logprobs is not None and out is not None:
+                    choice["logprobs"] = self.completion_logprobs(out, offset)
+            return choice
+
+        if chat:
+            yield chunk(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+            )
+        offset = 0
+        if echo:
+            yield chunk([piece(None, echo, None, 0)])
+            offset = len(echo)
+        last, out = first, first
+        try:
+            while out is not None:
+                last = out
+                text = out.text or ""
+                if text or out.logprobs:
+                    yield chunk([piece(out, text, None, offset)])
+                    offset += len(text)
+                out = await gen.__anext__() if not out.finished else None
+        except StopAsyncIteration:
+            pass
+        except APIError as exc:
+            err = {
+                "error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}
+            }
+            yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            await gen.aclose()
+        n_out = last.num_output_tokens if last else 0
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": n_out,
+            "total_tokens": len(prompt_ids) + n_out,
+        }
+        finish = last.finish_reason if last else "length"
+        end = {"index": 0, "finish_reason": finish}
+        end.update({"delta": {}} if chat else {"text": "", "logprobs": None})
+        yield chunk([end], {"speculation": self.report(last, args).model_dump()})
+        if include_usage:
+            yield chunk([], {"usage": usage})
+        yield "data: [DONE]\n\n"
