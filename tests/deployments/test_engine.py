@@ -1,6 +1,7 @@
 """The engine over real Ray actors: exactness in both modes, and worker failures."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -422,3 +423,136 @@ def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
 
     tokens, last = asyncio.run(with_engine(cfg, body))
     assert len(tokens) == GREEDY.max_tokens and last.finished
+
+
+def _copy_model(src, dst, edit) -> str:
+    """A copy of a saved model with ``edit(model)`` applied (real weights, real defects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        edit(model)
+    model.save_pretrained(dst)
+    return str(dst)
+
+
+POISON = 77  # a token id whose embedding row is NaN in the draft below
+
+
+def test_a_request_the_draft_fails_on_goes_target_only_alone(
+    ray_local, tiny_target, tiny_draft, reference, tmp_path
+):
+    """A draft that breaks on one input (NaN embedding for one token: sampled drafting
+    raises there) gives up on that sequence alone: it finishes target-only with exactly
+    the target's seeded output, the other requests keep speculating and are unchanged,
+    the draft loop lives on, and nothing leaks on either worker."""
+    poisoned = _copy_model(
+        tiny_draft,
+        tmp_path / "poisoned",
+        lambda m: m.model.embed_tokens.weight[POISON].fill_(float("nan")),
+    )
+    cfg = config(tiny_target, poisoned, speculation={"mode": "overlap"})
+    bad_prompt, bad_params = [5, POISON, 9], seeded(0)
+    expected_bad = generate_autoregressive(
+        ModelRunner(tiny_target), bad_prompt, bad_params
+    ).token_ids
+
+    async def body(engine):
+        draft = engine.draft
+        normal = [asyncio.ensure_future(collect(engine, p, GREEDY)) for p in PROMPTS[:4]]
+        bad = await collect(engine, bad_prompt, bad_params)
+        results = await asyncio.gather(*normal)
+        stats = await engine.draft.stats.remote()
+        return results, bad, stats, engine.draft is draft, await engine.seq_ids()
+
+    results, (bad_tokens, bad_last), stats, same_draft, held = asyncio.run(with_engine(cfg, body))
+    assert bad_tokens == expected_bad and bad_last.stats.drafted == 0
+    for prompt, (tokens, last) in zip(PROMPTS[:4], results, strict=True):
+        assert tokens == reference[tuple(prompt)] and last.stats.drafted > 0
+    assert stats["failed_sequences"] >= 1 and stats["error"] is None and same_draft
+    assert held["target"] == {"running": [], "runner": []}
+    assert held["draft"] == {"drafter": [], "runner": []}
+
+
+def test_every_generation_config_eos_id_ends_a_sequence(
+    ray_local, tiny_target, tiny_draft, tmp_path
+):
+    """Models list several EOS ids in generation_config (end of text, end of turn): a
+    token that is only the second of them ends the sequence, with or without drafts."""
+    prompt = PROMPTS[0]
+    ref = generate_autoregressive(ModelRunner(tiny_target), prompt, GREEDY).token_ids
+    j = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and ref[i] != 2)
+
+    def two_eos(model):
+        model.generation_config.eos_token_id = [2, ref[j]]
+
+    target = _copy_model(tiny_target, tmp_path / "two-eos", two_eos)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+
+    async def body(engine):
+        on = await collect(engine, prompt, params)
+        off = await collect(engine, prompt, params, speculation=False)
+        return on, off, engine.target_info["eos_token_ids"]
+
+    (on, on_last), (off, off_last), eos = asyncio.run(with_engine(config(target, tiny_draft), body))
+    assert ref[j] in eos
+    assert on == off == ref[: j + 1]
+    assert on_last.finish_reason == off_last.finish_reason == "stop"
+
+
+def test_seeded_request_resumes_identically_after_target_replacement(
+    ray_local, tiny_target, tiny_draft, seeded_reference
+):
+    """Verify randomness is seeded per round position, so a replacement target that
+    resumes a seeded request from its committed tokens draws what the old one would have."""
+    spec = {"mode": "sequential", "num_speculative_tokens": 3}
+    cfg = config(tiny_target, tiny_draft, speculation=spec, scheduler={"max_num_seqs": 1})
+    params = seeded(0)
+
+    async def body(engine):
+        old = engine.target
+        tokens = await asyncio.wait_for(_run_with_kill(engine, "target", [PROMPTS[0]], params), 120)
+        return tokens, engine.target is not old
+
+    (tokens,), replaced = asyncio.run(with_engine(cfg, body))
+    assert replaced and tokens == seeded_reference[0]
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_a_hung_worker_is_replaced_and_requests_complete(
+    ray_local, tiny_target, tiny_draft, reference, worker
+):
+    """A worker process that stops answering (SIGSTOP: a real hang, not a death) is found
+    by the call timeout / draft liveness check and replaced; the requests in flight
+    complete with their exact output (target-only while a draft is away)."""
+    import os
+    import signal
+
+    faults = {"call_timeout_s": 3, "liveness_period_s": 0.5, "draft_timeout_s": 0.5}
+    cfg = config(tiny_target, tiny_draft, faults={**faults, "restart_timeout_s": 60})
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    refs = [
+        generate_autoregressive(ModelRunner(tiny_target), p, params).token_ids for p in PROMPTS[:3]
+    ]
+
+    async def body(engine):
+        info = engine.draft_info if worker == "draft" else engine.target_info
+        old = getattr(engine, worker)
+        tasks = [asyncio.ensure_future(collect(engine, p, params)) for p in PROMPTS[:3]]
+        await asyncio.sleep(0.5)
+        os.kill(info["pid"], signal.SIGSTOP)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            deadline = time.monotonic() + 60
+            while getattr(engine, worker) in (None, old) or engine.status != "ok":
+                assert time.monotonic() < deadline, f"no replacement {worker}"
+                await asyncio.sleep(0.1)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # replaced: killed already
+                os.kill(info["pid"], signal.SIGCONT)
+        again, last = await collect(engine, PROMPTS[5], GREEDY)
+        return results, again, last
+
+    results, again, last = asyncio.run(with_engine(cfg, body))
+    assert [tokens for tokens, _ in results] == refs
+    assert again == reference[tuple(PROMPTS[5])] and last.stats.drafted > 0
