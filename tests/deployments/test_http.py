@@ -297,8 +297,10 @@ def test_dead_target_gives_503_not_500(secure_url):
     r = httpx.post(f"{secure_url}/v1/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 503 and "target worker died" in r.json()["error"]["message"]
     r = httpx.post(f"{secure_url}/v1/completions", json=body, headers=headers, timeout=60)
-    assert r.status_code == 503
-    assert httpx.get(f"{secure_url}/health").status_code == 503
+    assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
+    health = httpx.get(f"{secure_url}/health")
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert "target worker died" in health.json()["error"]
 
 
 def test_openapi_schema_fuzz_finds_no_5xx(base_url):
@@ -351,3 +353,206 @@ def test_readme_openai_example(base_url):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "acceptance_rate" in out.stdout
+
+
+def post(base_url, path, body):
+    return post_json(httpx, f"{base_url}{path}", body)
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+UNSUPPORTED = [
+    ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"suffix": "x"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"echo": True, "logprobs": 2}, "echo"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"max_tokens": 2, "max_completion_tokens": 3},
+        "max_completion_tokens",
+    ),
+    ("/v1/chat/completions", {"functions": []}, "functions"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+]
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), UNSUPPORTED)
+def test_unimplemented_fields_are_400_naming_them(base_url, path, extra, param):
+    """A field SpecServe does not honour never gets a silent 200."""
+    body = {**(CHAT if "chat" in path else COMPLETION), **extra}
+    r = post(base_url, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param in (err["param"] or "") + err["message"], err
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(base_url):
+    neutral = {
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "tools": [],
+        "tool_choice": "none",
+        "temperature": None,
+        "metadata": {"team": "search"},
+    }
+    r = post(base_url, "/v1/chat/completions", {**CHAT, **neutral})
+    assert r.status_code == 200, r.text
+
+
+def test_chat_roles_content_parts_and_null_assistant_content(client):
+    def ask(messages):
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0
+        ).choices[0]
+
+    as_system = ask([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    as_developer = ask(
+        [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
+    assert as_developer.message.content == as_system.message.content  # same rendering
+    parts = ask(
+        [
+            {
+                "role": "developer",
+                "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            },
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ]
+    )
+    assert parts.message.content == as_system.message.content
+    tool_turn = ask(
+        [
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": None},
+            {"role": "tool", "content": "4", "tool_call_id": "call-1"},
+        ]
+    )
+    assert tool_turn.finish_reason == "length"
+
+
+def test_max_completion_tokens_and_stream_usage(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
+    resp = client.chat.completions.create(max_completion_tokens=5, **kw)
+    assert resp.usage.completion_tokens == 5 and resp.choices[0].finish_reason == "length"
+    chunks = list(
+        client.chat.completions.create(
+            max_completion_tokens=5, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        resp.choices[0].message.content
+    )
+    plain = list(client.chat.completions.create(max_completion_tokens=5, stream=True, **kw))
+    assert all(c.choices for c in plain)  # no usage chunk unless asked for
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    from transformers import AutoModelForCausalLM
+
+    import torch
+
+    # Served in float32 (the engine's default dtype), whatever the checkpoint's dtype is.
+    return AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
+
+
+def target_logprobs(model, prompt_ids, output_ids):
+    """Log-probabilities of each output token under the target, computed in this process."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1)  # [n_out, vocab]
+
+
+def test_completion_logprobs_are_the_target_models(client, tokenizer, target_model):
+    """Raw target log-probabilities (before temperature), as vLLM reports them; greedy
+    here so that the output ids are known (greedy output equals target-only output)."""
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3
+    )
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == resp.usage.completion_tokens == 10
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    out_ids = generate_autoregressive(
+        ModelRunner(DEMO_TARGET), prompt_ids, SamplingParams(temperature=0.0, max_tokens=10)
+    ).token_ids
+    assert lp.tokens == [tokenizer.decode([t]) for t in out_ids]
+    ref = target_logprobs(target_model, prompt_ids, out_ids)
+    chosen = ref.gather(-1, __import__("torch").tensor(out_ids)[:, None])[:, 0].tolist()
+    assert lp.token_logprobs == pytest.approx(chosen, abs=2e-3)
+    for top, row in zip(lp.top_logprobs, ref, strict=True):
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(float(row.max()), abs=2e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_chat_logprobs_and_echo(client, base_url):
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy
+        assert bytes(entry.bytes).decode() == entry.token
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_stop_string_ends_generation_where_the_text_ends(client, tokenizer):
+    """The stop string is found once, on the returned text; generation stops at the token
+    that completed it, and completion_tokens counts the tokens up to there."""
+    ref_ids = generate_autoregressive(
+        ModelRunner(DEMO_TARGET),
+        tokenizer(PROMPT, add_special_tokens=False)["input_ids"],
+        SamplingParams(temperature=0.0, max_tokens=48),
+    ).token_ids
+    full = tokenizer.decode(ref_ids, skip_special_tokens=True)
+    stop = full.strip()[10:14]
+    cut = full.index(stop)
+    n = next(j + 1 for j in range(len(ref_ids)) if stop in tokenizer.decode(ref_ids[: j + 1]))
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0, stop=[stop])
+    resp = client.completions.create(**kw)
+    assert resp.choices[0].text == full[:cut] and resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == n
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:cut]
+    assert chunks[-1].usage.completion_tokens == n
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_chat_ends_at_the_templates_end_of_turn(tokenizer):
+    from deployments.openai_serving import end_of_turn_ids
+
+    assert end_of_turn_ids(tokenizer) == (tokenizer.convert_tokens_to_ids("<|end|>"),)
