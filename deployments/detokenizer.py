@@ -10,7 +10,8 @@ Byte-level BPE tokens can end inside a UTF-8 character: while the window's text 
 a replacement character the read offset does not move, and the text waits for the next
 byte. A stop string can span tokens: the last ``len(longest stop) - 1`` characters are held
 back while a stop string could still complete there, so a stop string is always found in
-text that has not been released, and text never includes any part of it.
+text that has not been released, and text never includes any part of it. With several stop
+strings, the text ends before the one that completes first.
 """
 
 from __future__ import annotations
@@ -49,11 +50,14 @@ class IncrementalDetokenizer:
             return ""
         self.token_ids.extend(new_token_ids)
         self.pending += self._new_text(final)
-        cut = None
+        # The stop string that completes first (earliest end; of two ending together, the
+        # longer) wins: what a character-by-character stream would have stopped at, so the
+        # cut does not depend on how the tokens were grouped into calls.
+        cut = end = None
         for s in self.stop:
             pos = self.pending.find(s)
-            if pos != -1 and (cut is None or pos < cut):
-                cut = pos
+            if pos != -1 and (end is None or (pos + len(s), pos) < (end, cut)):
+                cut, end = pos, pos + len(s)
         if cut is not None:
             self.stopped = True
             out, self.pending = self.pending[:cut], ""

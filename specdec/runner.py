@@ -50,7 +50,7 @@ class ModelRunner:
             attn_implementation="sdpa",
         ).to(self.device)
         self.model.eval()
-        limit = getattr(self.config, "max_position_embeddings", None) or 2048
+        limit = _context_limit(self.config)
         self.max_model_len = min(max_model_len or limit, limit)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -194,6 +194,14 @@ class ModelRunner:
             rows_pos = position_ids[:1] if same_start else position_ids
             mask = torch.arange(kv_len)[None, None, :] <= rows_pos[:, :, None]  # [b|1, n, kv]
             mask = mask[:, None].to(dev)  # [b|1, 1, n, kv_len]
+        # Padded queries of a row that starts late can sit past the context limit, where a
+        # learned absolute position table (GPT-2's wpe, OPT) has no entry. Their outputs are
+        # discarded, so the model sees them at the last valid position; the cache still
+        # writes them at their own (unclamped, masked, beyond the row's length) positions,
+        # so that they never overwrite a real key at max_model_len - 1.
+        model_pos = position_ids
+        if max(starts) + n > self.max_model_len:
+            model_pos = position_ids.clamp(max=self.max_model_len - 1)
         first = slots[0]
         contiguous = slots == list(range(first, first + batch))
         self.cache.layout = BatchLayout(
@@ -212,7 +220,7 @@ class ModelRunner:
         try:
             out = self.model(
                 input_ids=input_ids.to(dev),
-                position_ids=position_ids.to(dev),
+                position_ids=model_pos.to(dev),
                 attention_mask=mask,
                 past_key_values=self.cache,
                 use_cache=True,
@@ -239,6 +247,19 @@ class ModelRunner:
         for sid in seq_ids:
             self.add(sid)
         return self.forward_padded(seq_ids, prompts, last_only=True)
+
+
+def _context_limit(config) -> int:
+    """The longest sequence the model has positions for (2048 when the config says nothing).
+
+    ``max_position_embeddings`` covers most models (GPT-2's ``n_positions`` is aliased to
+    it); the other names are the ones configs without that alias use.
+    """
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
 
 
 def _round_up(x: int, m: int) -> int:

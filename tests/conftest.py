@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama models saved to disk and loaded like hub models."""
+"""Shared fixtures: tiny random Llama and GPT-2 models saved to disk and loaded like hub
+models (GPT-2 has learned absolute position embeddings and a small context limit)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 VOCAB = 96
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = str(ROOT / "models" / "demo-target")
 DEMO_DRAFT = str(ROOT / "models" / "demo-draft")
 DEMO_DRAFT_PYTHON = str(ROOT / "models" / "demo-draft-python")
+GPT2_POSITIONS = 64  # the tiny GPT-2's context limit (n_positions)
 
 
 def save_tiny_llama(path, *, seed: int, layers: int, hidden: int, vocab: int = VOCAB) -> str:
@@ -53,5 +55,54 @@ def tiny_draft(tmp_path_factory, tiny_target) -> str:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
     path = tmp_path_factory.mktemp("draft")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _perturb(model, seed: int, scale: float = 0.3):
+    """Add noise to every weight: a draft that partly agrees with its target."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * p.std() * scale)
+    return model
+
+
+def save_tiny_gpt2(
+    path, *, seed: int, layers: int = 2, hidden: int = 32, vocab: int = VOCAB
+) -> str:
+    """A random GPT-2: learned absolute positions (``wpe``) over ``GPT2_POSITIONS`` slots,
+    untied embeddings, sharpened output layer (as :func:`save_tiny_llama`)."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=GPT2_POSITIONS,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        # Strong position embeddings, so a wrong position id visibly changes the logits.
+        model.transformer.wpe.weight.mul_(20.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_target(tmp_path_factory) -> str:
+    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2-target"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
+    """A draft that partly agrees with the GPT-2 target: its weights, perturbed."""
+    model = _perturb(GPT2LMHeadModel.from_pretrained(tiny_gpt2_target), seed=1)
+    path = tmp_path_factory.mktemp("gpt2-draft")
     model.save_pretrained(path)
     return str(path)

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
+from specdec.generate import generate_autoregressive, generate_speculative
+from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.sequence import SequenceState
+from tests.conftest import GPT2_POSITIONS, VOCAB
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +95,190 @@ def test_errors_are_clear(runner):
     finally:
         for sid in ["x", 0, 1, 2]:
             runner.free(sid)
+
+
+# ----- absolute positions: a tiny GPT-2 (learned wpe, n_positions = GPT2_POSITIONS) -------
+
+TOL = {"atol": 1e-5, "rtol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def gpt2(tiny_gpt2_target):
+    return ModelRunner(tiny_gpt2_target, max_num_seqs=4)
+
+
+def gpt2_full(runner, tokens):
+    """Reference: one sequence alone through the HF model, no cache, positions 0..len-1."""
+    assert len(tokens) <= GPT2_POSITIONS
+    with torch.no_grad():
+        return runner.model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+def _tokens(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+
+
+def test_gpt2_context_limit_comes_from_n_positions(tiny_gpt2_target, gpt2):
+    assert gpt2.max_model_len == GPT2_POSITIONS
+    assert ModelRunner(tiny_gpt2_target, max_model_len=4096).max_model_len == GPT2_POSITIONS
+    assert ModelRunner(tiny_gpt2_target, max_model_len=40).max_model_len == 40
+    gpt2.add("x")
+    try:
+        gpt2.forward(["x"], [_tokens(GPT2_POSITIONS, 0)])  # exactly the limit is fine
+        assert gpt2.length("x") == GPT2_POSITIONS
+        with pytest.raises(ValueError, match="max_model_len"):
+            gpt2.forward(["x"], [[5]])
+    finally:
+        gpt2.free("x")
+
+
+def test_gpt2_position_embeddings_matter(gpt2):
+    """Guard for the tests below: a shifted position visibly changes the logits, so a
+    runner that fed wrong positions to real tokens could not pass them."""
+    toks = _tokens(8, 1)
+    with torch.no_grad():
+        shifted = gpt2.model(torch.tensor([toks]), position_ids=torch.arange(1, 9)[None]).logits
+    assert not torch.allclose(shifted[0], gpt2_full(gpt2, toks), atol=1e-2)
+
+
+def test_gpt2_ragged_batches_near_the_context_limit_match_full_passes(gpt2):
+    """Rows of different lengths and starts in one pass, one of them ending at the
+    context limit while its padded positions run past it (wpe has no entry there)."""
+    seqs = {"near": _tokens(GPT2_POSITIONS, 2), "short": _tokens(20, 3), "mid": _tokens(40, 4)}
+    for sid in seqs:
+        gpt2.add(sid)
+    try:
+        # 1. Ragged prefill from a common start (padding, but no position past the limit).
+        lens = {"near": 58, "short": 4, "mid": 30}
+        outs = gpt2.forward(list(seqs), [seqs[s][: lens[s]] for s in seqs])
+        for sid, out in zip(seqs, outs, strict=True):
+            torch.testing.assert_close(out, gpt2_full(gpt2, seqs[sid][: lens[sid]]), **TOL)
+
+        # 2. Different starts, 'near' pads from 58 to 58 + 8 - 1 = 65 >= n_positions.
+        #    Out of slot order, so the rows are reordered too.
+        adds = {"short": 8, "near": 3, "mid": 1}
+        outs = gpt2.forward(list(adds), [seqs[s][lens[s] : lens[s] + adds[s]] for s in adds])
+        for sid, out in zip(adds, outs, strict=True):
+            end = lens[sid] + adds[sid]
+            torch.testing.assert_close(out, gpt2_full(gpt2, seqs[sid][:end])[lens[sid] :], **TOL)
+            lens[sid] = end
+            assert gpt2.length(sid) == end
+
+        # 3. Speculative-style: 'near' verifies 3 positions, keeps 1, re-appends up to the
+        #    very last position (62..63) while padded to 62 + 6 - 1 = 67; its padding must not
+        #    clobber the real key written at position 63 in the same pass.
+        gpt2.forward(["near"], [[7, 8, 9]])  # 61..63, then rejected after the first
+        gpt2.rollback("near", 62)
+        near = [*seqs["near"][:61], 7, 11, 12]
+        outs = gpt2.forward(["mid", "near"], [seqs["mid"][31:37], [11, 12]])
+        torch.testing.assert_close(outs[0], gpt2_full(gpt2, seqs["mid"][:37])[31:], **TOL)
+        torch.testing.assert_close(outs[1], gpt2_full(gpt2, near)[62:], **TOL)
+        assert gpt2.length("near") == GPT2_POSITIONS
+
+        # 4. The cache of the full row is intact: roll back and re-verify its tail alone.
+        gpt2.rollback("near", 60)
+        out = gpt2.forward(["near"], [near[60:]])[0]
+        torch.testing.assert_close(out, gpt2_full(gpt2, near)[60:], **TOL)
+    finally:
+        for sid in seqs:
+            gpt2.free(sid)
+
+
+def test_gpt2_ragged_last_only_prefill_and_decode_near_the_limit(gpt2):
+    """``prefill`` / ``forward_padded(last_only=True)``: the per-row logits_to_keep path."""
+    prompts = {"p": _tokens(61, 5), "q": _tokens(6, 6)}
+    logits = gpt2.prefill(list(prompts), list(prompts.values()))  # [2, vocab]
+    try:
+        for row, toks in enumerate(prompts.values()):
+            torch.testing.assert_close(logits[row], gpt2_full(gpt2, toks)[-1], **TOL)
+        # 'p' appends 2 (61, 62) padded to 61 + 5 - 1 = 65; 'q' appends 5.
+        more = {"p": [20, 21], "q": [30, 31, 32, 33, 34]}
+        logits = gpt2.forward_padded(list(more), list(more.values()), last_only=True)
+        for row, sid in enumerate(more):
+            full = gpt2_full(gpt2, prompts[sid] + more[sid])
+            torch.testing.assert_close(logits[row], full[-1], **TOL)
+        # One-token decode with different starts (a 4D mask, no padding).
+        logits = gpt2.forward_padded(["q", "p"], [[40], [41]], last_only=True)
+        torch.testing.assert_close(
+            logits[0], gpt2_full(gpt2, prompts["q"] + more["q"] + [40])[-1], **TOL
+        )
+        torch.testing.assert_close(
+            logits[1], gpt2_full(gpt2, prompts["p"] + more["p"] + [41])[-1], **TOL
+        )
+        assert gpt2.length("p") == GPT2_POSITIONS
+    finally:
+        gpt2.free("p")
+        gpt2.free("q")
+
+
+@pytest.fixture(scope="module")
+def gpt2_proposer(tiny_gpt2_draft):
+    return DraftModelProposer(ModelRunner(tiny_gpt2_draft, max_num_seqs=4))
+
+
+def _greedy_drafts(model, tokens, k):
+    """Reference drafting: argmax over a full no-cache pass, ``k`` times."""
+    tokens = list(tokens)
+    out = []
+    with torch.no_grad():
+        for _ in range(k):
+            t = int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax())
+            out.append(t)
+            tokens.append(t)
+    return out
+
+
+def test_gpt2_batched_drafting_near_the_limit_matches_single_sequences(gpt2_proposer):
+    """The draft resynchronises rows with different feeds and starts in one padded pass."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    near = SequenceState("near", _tokens(58, 7), greedy)
+    short = SequenceState("short", _tokens(3, 8), greedy)
+    model = gpt2_proposer.runner.model
+    try:
+        prop = gpt2_proposer.propose([near, short], 2)
+        for row, seq in enumerate([near, short]):
+            assert prop.draft_token_ids[row].tolist() == _greedy_drafts(model, seq.token_ids, 2)
+        # Commit: 'near' keeps its first draft plus another token (2 new: 60 committed),
+        # 'short' six unrelated ones. Next round the draft feeds 'near' 1 token at 59 and
+        # 'short' 6 tokens at 3: 'near' is padded to 59 + 6 - 1 = 64 = n_positions.
+        near.output_token_ids += [int(prop.draft_token_ids[0, 0]), 5]
+        short.output_token_ids += [90, 91, 92, 93, 94, 95]
+        prop = gpt2_proposer.propose([near, short], 3)
+        for row, seq in enumerate([near, short]):
+            assert prop.draft_token_ids[row].tolist() == _greedy_drafts(model, seq.token_ids, 3)
+    finally:
+        gpt2_proposer.free("near")
+        gpt2_proposer.free("short")
+
+
+GPT2_PROMPTS = [_tokens(1, 9), _tokens(40, 10), _tokens(60, 11)]
+
+
+def _to_the_limit(prompt):
+    """Greedy, generating until prompt + output fill the whole context (64 positions)."""
+    return SamplingParams(temperature=0.0, max_tokens=GPT2_POSITIONS - len(prompt), ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference(gpt2):
+    """Autoregressive greedy outputs, checked once against a plain no-cache greedy decode."""
+    refs = [generate_autoregressive(gpt2, p, _to_the_limit(p)).token_ids for p in GPT2_PROMPTS]
+    assert refs[1] == _greedy_drafts(gpt2.model, GPT2_PROMPTS[1], len(refs[1]))
+    return refs
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_gpt2_greedy_speculative_equals_autoregressive_up_to_the_limit(
+    gpt2, gpt2_proposer, gpt2_reference, k
+):
+    drafted = accepted = 0
+    for prompt, ref in zip(GPT2_PROMPTS, gpt2_reference, strict=True):
+        spec = generate_speculative(gpt2, gpt2_proposer, prompt, _to_the_limit(prompt), k)
+        assert spec.token_ids == ref
+        assert len(prompt) + len(spec.token_ids) == GPT2_POSITIONS
+        assert spec.finish_reason == "length"
+        drafted += spec.num_drafted
+        accepted += spec.num_accepted
+    assert 0 < accepted < drafted  # the draft neither always nor never agrees
+    assert gpt2.num_seqs == 0 and gpt2_proposer.runner.num_seqs == 0
