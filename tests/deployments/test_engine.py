@@ -556,3 +556,33 @@ def test_a_hung_worker_is_replaced_and_requests_complete(
     results, again, last = asyncio.run(with_engine(cfg, body))
     assert [tokens for tokens, _ in results] == refs
     assert again == reference[tuple(PROMPTS[5])] and last.stats.drafted > 0
+
+
+def test_absolute_position_pair_through_the_engine(ray_local, tiny_gpt2_target, tiny_gpt2_draft):
+    """GPT-2 (learned absolute positions, 64-token context): ragged batches whose padded
+    rows would run past the limit, and requests that fill the context exactly, give the
+    target's greedy output; drafting never passes the context."""
+    from tests.conftest import GPT2_POSITIONS
+
+    prompts = [[5, 9, 14], list(range(3, 43)), list(range(10, 70))[:58], [7] * 20]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=GPT2_POSITIONS - len(p), ignore_eos=True)
+        for p in prompts
+    ]
+    runner = ModelRunner(tiny_gpt2_target)
+    refs = [
+        generate_autoregressive(runner, p, sp, seq_id=i).token_ids
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    cfg = config(tiny_gpt2_target, tiny_gpt2_draft, speculation={"mode": "overlap"})
+
+    async def body(engine):
+        outs = await asyncio.gather(
+            *[collect(engine, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        )
+        return outs, await engine.seq_ids()
+
+    outs, held = asyncio.run(with_engine(cfg, body))
+    assert [tokens for tokens, _ in outs] == refs
+    assert sum(last.stats.drafted for _, last in outs) > 0
+    assert held["target"] == {"running": [], "runner": []}

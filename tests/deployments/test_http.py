@@ -620,3 +620,26 @@ def test_hostile_values_never_give_a_5xx(base_url, chat):
 
     run()
     assert seen == {200, 400}  # both kinds of answers were exercised
+
+
+def test_health_is_degraded_not_503_while_a_draft_is_replaced(base_url, client):
+    """A replica that lost its draft serves target-only: /health answers 200 with status
+    degraded (a load balancer keeps it), requests succeed, and it returns to ok."""
+    info = serve.get_app_handle("SpecServe").health_info.remote().result()
+    replica, pid = info["replica_id"], info["draft"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    statuses = []
+    deadline = time.monotonic() + 90
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        while time.monotonic() < deadline:
+            r = http.get("/health")
+            if r.headers["x-specserve-replica"] == replica:
+                statuses.append((r.status_code, r.json()["status"]))
+                if statuses[-1] == (200, "ok") and (200, "degraded") in statuses:
+                    break
+            if (200, "degraded") in statuses:
+                ok = client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+                assert ok.usage.completion_tokens == 2
+            time.sleep(0.02)
+    assert (200, "degraded") in statuses and statuses[-1] == (200, "ok"), statuses[-5:]
+    assert all(code == 200 for code, _ in statuses)

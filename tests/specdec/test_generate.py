@@ -180,3 +180,33 @@ def test_dynamic_draft_length_is_exact(target, tiny_draft):
     print(f"dynamic draft length: p vs target law {p_target:.3g}, vs draft law {p_draft:.3g}")
     assert p_target > 1e-3
     assert p_draft < 1e-6
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_generators_follow_the_tensors_device(tiny_target, tiny_draft, device):
+    """Seeded sampling draws with generators on the device of the logits (a CPU generator
+    cannot draw for CUDA tensors): verify streams come from the sequence's device, draft
+    streams from the draft logits' device, and seeded output reproduces on that device."""
+    from specdec.sequence import SequenceState
+
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    seq = SequenceState("s", [5, 9], params, device=device)
+    assert seq.verify_generator_at(2).device.type == device
+    assert seq.draft_generator_at(3).device.type == device
+    assert seq.draft_generator_at(3, torch.device("cpu")).device.type == "cpu"
+    target = ModelRunner(tiny_target, device=device)
+    outs = [
+        generate_speculative(
+            target,
+            DraftModelProposer(ModelRunner(tiny_draft, device=device)),
+            [5, 9],
+            params,
+            3,
+            seq_id=i,
+        ).token_ids
+        for i in range(2)
+    ]
+    assert outs[0] == outs[1] and len(outs[0]) == 12
