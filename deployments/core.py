@@ -190,7 +190,7 @@ def token_logprobs(logits, tokens: list[int], top: int | None) -> list[tuple] | 
     lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, vocab]
     chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
     if top:
-        values, ids = lp.topk(top, dim=-1)  # [n, top]
+        values, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)  # [n, top]
         tops = [
             list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
         ]
@@ -236,6 +236,7 @@ class EngineCore:
         self._pushes: dict[Hashable, dict[tuple, tuple]] = {}
         self._resync: set[Hashable] = set()
         self._give_up: set[Hashable] = set()  # the draft failed on these: target-only
+        self._dropped: list[Hashable] = []  # given up: the draft must free them
         self._draft = None
         self._draft_first = True  # the next message starts a new draft
         self._out_cv = threading.Condition()
@@ -307,7 +308,14 @@ class EngineCore:
         """Sequences the loop runs and those whose KV the target holds (equal unless a
         path leaks a slot; checked by the fault tests)."""
         with self._cv:
-            return {"running": list(self._running), "runner": list(self.runner.seq_ids)}
+            return {
+                "running": list(self._running),
+                "runner": list(self.runner.seq_ids),
+                # per-sequence state kept beside the batch: empty once nothing runs
+                "kept": sorted(
+                    map(str, set(self._pushes) | self._resync | self._give_up | self._seq_ids)
+                ),
+            }
 
     @ray.method(concurrency_group="control")
     def health(self) -> dict[str, Any]:
@@ -327,6 +335,8 @@ class EngineCore:
     def _store_drafts(self, round_for: int, items: list[tuple]) -> None:
         with self._cv:
             for seq_id, guess, tokens, q, speculative in items:
+                if seq_id not in self._seq_ids:  # ended meanwhile: keep nothing for it
+                    continue
                 if guess is None:  # the draft lost track of this sequence
                     self._resync.add(seq_id)
                     continue
@@ -587,6 +597,9 @@ class EngineCore:
                         if sid in self._give_up:
                             self._give_up.discard(sid)
                             seq.k = 0
+                            # The marker may be older than a resync the draft has taken
+                            # since: have it free the sequence (freeing is idempotent).
+                            self._dropped.append(sid)
                         del need[sid]
                 remaining = deadline - time.perf_counter()
                 if not need or self._draft is None or remaining <= 0:
@@ -648,6 +661,8 @@ class EngineCore:
                     freed.append(st.seq_id)
             elif seq.k > 0:  # target-only requests never concern the draft
                 items.append(self._draft_item(seq))
+        freed += self._dropped
+        self._dropped = []
         # First: the draft starts on it at once.
         tokens = sum(len(out[1]) for out in outputs)
         self._message(self._round, items, freed, time.perf_counter() - t_round, tokens)

@@ -132,6 +132,8 @@ class SpecEngine:
         self._core_health: dict[str, Any] = {}
         self.aborted = 0  # requests whose client went away before they finished
         self.draft_restart_failures = 0
+        # A replacement target is loading: requests wait for it (it resumes them all).
+        self._replacing_target = False
 
     # ----- workers ----------------------------------------------------------------------
 
@@ -222,10 +224,13 @@ class SpecEngine:
     @property
     def status(self) -> str:
         """``ok``: serving with speculation; ``degraded``: serving target-only while a draft
-        is away; ``unavailable``: cannot take requests (target being replaced, or failed).
-        The HTTP /health and Serve's check_health both answer from this."""
+        is away, or holding requests while a replacement target loads (they resume on
+        it); ``unavailable``: cannot serve (the target failed for good). The HTTP /health
+        and Serve's check_health both answer from this."""
         if not self.ready:
             return "unavailable"
+        if self._replacing_target:
+            return "degraded"
         if self.config.draft is not None and not (self.draft is not None and self.draft_info):
             return "degraded"
         return "ok"
@@ -237,6 +242,7 @@ class SpecEngine:
             "target": bool(self.target_info),
             "draft": self.draft is not None and bool(self.draft_info),
             "draft_restarting": self._draft_restarting is not None,
+            "target_restarting": self._replacing_target,
             "target_restarts": self._target_restarts,
             "running": self._core_health.get("running", 0),
             "waiting": self._core_health.get("waiting", 0),
@@ -246,7 +252,7 @@ class SpecEngine:
 
     async def round_timings(self, reset: bool = False) -> dict[str, Any]:
         """The core's per-round split (verify, draft waits, overhead), summed over rounds."""
-        return await self.target.get_timings.remote(reset)
+        return await self._call(self.target.get_timings.remote(reset))
 
     async def seq_ids(self) -> dict[str, Any]:
         """What each worker holds, for leak checks: see EngineCore/DraftWorker.seq_ids."""
@@ -257,6 +263,7 @@ class SpecEngine:
         return out
 
     async def shutdown(self) -> None:
+        self._fail("the engine is shutting down")
         for task in self._tasks:
             task.cancel()
         for actor in (self.target, self.draft):
@@ -324,7 +331,8 @@ class SpecEngine:
         self._requests[rid] = req
         try:
             try:
-                await self._call(self.target.add_requests.remote([req.core_item()]))
+                if not self._replacing_target:  # else the replacement starts it
+                    await self._call(self.target.add_requests.remote([req.core_item()]))
             except (RayActorError, asyncio.TimeoutError):
                 pass  # the poller replaces the target and resumes every known request
             except Exception as exc:
@@ -419,10 +427,17 @@ class SpecEngine:
         return min(f.restart_backoff_max_s, f.restart_backoff_s * 2 ** max(0, failures - 1))
 
     async def _replace_target(self) -> bool:
-        """Start a new core, reconnect the draft, resume every request; False if fatal."""
+        """Start a new core, reconnect the draft, resume every request; False if fatal.
+
+        Requests that arrive meanwhile wait in ``_requests`` (``_replacing_target``): the
+        snapshot of live requests and the end of that state happen with no await between
+        them, so each request reaches the new core exactly once.
+        """
         failures = 0
+        self._replacing_target = True
         while True:
             if self._target_restarts >= self.config.faults.max_target_restarts:
+                self._replacing_target = False
                 self._fail(
                     f"target worker died and was not restarted "
                     f"(max_target_restarts={self.config.faults.max_target_restarts})"
@@ -432,26 +447,34 @@ class SpecEngine:
                 await asyncio.sleep(self._backoff(failures))
             self._target_restarts += 1
             ray.kill(self.target, no_restart=True)
-            self.target_info = {}
+            self._replacing_target = True
             self.target = self._spawn_target()
             try:
                 self.target_info = await self._await_ready(self.target)
-                if self.draft is not None and self.config.transport == "compiled_graph":
-                    # The dead core drove the draft's graph loop, which may never end:
-                    # a fresh draft is safer than compiling a second graph onto it.
-                    self._tasks.append(
-                        asyncio.create_task(self._replace_draft("its target was replaced"))
-                    )
-                elif self.draft is not None:
-                    await self._connect(self.target, self.draft)
                 live = [r.core_item() for r in self._requests.values() if not r.finished]
+                self._replacing_target = False
                 if live:
                     await self._call(self.target.add_requests.remote(live))
-                logger.info("target worker replaced (%d restarts)", self._target_restarts)
-                return True
-            except (RayActorError, asyncio.TimeoutError) as exc:
+            except Exception as exc:  # any failure of the new core: try another one
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)
+                continue
+            logger.info("target worker replaced (%d restarts)", self._target_restarts)
+            if self.draft is not None:
+                if self.config.transport == "compiled_graph":
+                    # The dead core drove the draft's graph loop, which may never end:
+                    # a fresh draft is safer than compiling a second graph onto it.
+                    self._start_draft_replacement("its target was replaced")
+                else:
+                    try:
+                        await self._connect(self.target, self.draft)
+                    except Exception as exc:  # the draft's problem, not the new target's
+                        self._start_draft_replacement(f"it could not reconnect: {exc!r}")
+            return True
+
+    def _start_draft_replacement(self, reason: str) -> None:
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(self._replace_draft(reason)))
 
     async def _watch_draft(self, draft) -> None:
         """Replace ``draft`` when it dies, its loop fails, or its loop stops making progress.
@@ -490,22 +513,28 @@ class SpecEngine:
         """Serve target-only and start a new draft, retrying with backoff until one runs.
 
         Used when the draft died or hung, and after a target replacement in the
-        compiled-graph transport (whose graph loop the dead core drove).
+        compiled-graph transport (whose graph loop the dead core drove). One replacement
+        runs at a time; it stops when the engine fails for good or shuts down.
         """
-        dead, self.draft, self.draft_info = self.draft, None, {}
-        with contextlib.suppress(RayActorError, asyncio.TimeoutError):  # the poller's business
-            await self._call(self.target.set_draft.remote(None))
-        if dead is not None:
-            ray.kill(dead, no_restart=True)
+        if self._draft_restarting is not None:
+            return
         self._draft_restarting = asyncio.current_task()
+        dead, self.draft, self.draft_info = self.draft, None, {}
         failures = 0
         try:
-            while True:
+            with contextlib.suppress(Exception):  # a dead target is the poller's business
+                await self._call(self.target.set_draft.remote(None))
+            if dead is not None:
+                ray.kill(dead, no_restart=True)
+            while self._fatal is None:
                 actor = self._spawn_draft()
                 try:
                     info = await self._await_ready(actor)
                     await self._connect(self.target, actor)
-                except (RayActorError, asyncio.TimeoutError) as exc:
+                except asyncio.CancelledError:
+                    ray.kill(actor, no_restart=True)
+                    raise
+                except Exception as exc:
                     ray.kill(actor, no_restart=True)
                     failures += 1
                     delay = self._backoff(failures)
@@ -518,6 +547,7 @@ class SpecEngine:
                     await asyncio.sleep(delay)
                     continue
                 self.draft, self.draft_info = actor, info
+                self._tasks = [t for t in self._tasks if not t.done()]
                 self._tasks.append(asyncio.create_task(self._watch_draft(actor)))
                 logger.info("draft worker replaced (%s) on node %s", reason, info["node_id"])
                 return

@@ -9,6 +9,7 @@ on exactly the text returned here; this module only shapes it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,8 @@ from deployments.protocol import (
     Usage,
 )
 from specdec.sampling import SamplingParams
+
+logger = logging.getLogger("specserve.openai")
 
 RETRY_AFTER_S = 5  # what a 503 tells clients to wait before retrying
 
@@ -116,11 +119,12 @@ class OpenAIServing:
             target=h["target"],
             draft=h["draft"],
             draft_restarting=h["draft_restarting"],
+            target_restarting=h["target_restarting"],
             target_restarts=h["target_restarts"],
             running=h["running"],
             waiting=h["waiting"],
             aborted=h["aborted"],
-            error=h["error"] or (None if h["ready"] else "the target worker is being replaced"),
+            error=h["error"],
         )
         return body, 503 if body.status == "unavailable" else 200
 
@@ -153,7 +157,12 @@ class OpenAIServing:
             text = m.text()
             check_text(text, f"messages.{i}.content")
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": text})
+            message = {"role": role, "content": text}
+            # Templates that know these render them (as vLLM passes them); others ignore.
+            message.update(
+                {k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v}
+            )
+            messages.append(message)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 "this model has no chat template: use /v1/completions",
@@ -294,13 +303,20 @@ class OpenAIServing:
             )
         return entries
 
-    def completion_logprobs(self, out: RequestOutput, offset: int) -> dict[str, list]:
-        acc: dict[str, list] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+    @staticmethod
+    def new_completion_logprobs(start: int) -> dict[str, Any]:
+        """An empty completions-logprobs record whose next token starts at ``start``."""
+        keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        return {**{k: [] for k in keys}, "_end": start}
+
+    def completion_logprobs(self, out: RequestOutput, acc: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's completions logprobs for ``out``'s tokens, appended to ``acc``.
+
+        ``text_offset`` is where each token's text starts, counted over the token texts
+        themselves (the echoed prompt first): the released text may lag behind them while
+        a stop string could still complete, so it cannot be the reference.
+        """
+        offset = acc["_end"]
         for tok, (lp, top) in zip(out.new_token_ids, out.logprobs or [], strict=False):
             text = self._token_text(tok)
             acc["tokens"].append(text)
@@ -308,7 +324,12 @@ class OpenAIServing:
             acc["top_logprobs"].append({self._token_text(i): v for i, v in top})
             acc["text_offset"].append(offset)
             offset += len(text)
+        acc["_end"] = offset
         return acc
+
+    @staticmethod
+    def _public(acc: dict[str, list]) -> dict[str, list]:
+        return {k: v for k, v in acc.items() if not k.startswith("_")}
 
     async def create(self, req, chat: bool):
         self.check_ready()  # before anything reads the target's facts
@@ -319,11 +340,16 @@ class OpenAIServing:
             prompt_ids = self.encode_prompt(req.prompt)
             echo = ""
             if req.echo:
-                echo = (
-                    req.prompt
-                    if isinstance(req.prompt, str)
-                    else (self.tokenizer.decode(req.prompt) if self.tokenizer else "")
-                )
+                if isinstance(req.prompt, str):
+                    echo = req.prompt
+                elif self.tokenizer is not None:
+                    echo = self.tokenizer.decode(req.prompt)
+                else:
+                    raise bad_request(
+                        "echo needs a tokenizer to turn token ids into text",
+                        "invalid_value",
+                        "echo",
+                    )
         params = self.sampling_params(req, len(prompt_ids), chat)
         args = self.speculation_args(req)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -342,12 +368,7 @@ class OpenAIServing:
     async def _whole(self, req, rid, gen, first, prompt_ids, params, args, chat, echo):
         text, last = echo, first
         chat_lps: list[dict[str, Any]] = []
-        comp_lps: dict[str, list] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        comp_lps = self.new_completion_logprobs(len(echo))
         out = first
         try:
             while out is not None:
@@ -356,8 +377,7 @@ class OpenAIServing:
                     if chat:
                         chat_lps += self.chat_logprobs(out)
                     else:
-                        for key, values in self.completion_logprobs(out, len(text)).items():
-                            comp_lps[key] += values
+                        self.completion_logprobs(out, comp_lps)
                 text += out.text or ""
                 out = await gen.__anext__() if not out.finished else None
         except StopAsyncIteration:
@@ -389,7 +409,7 @@ class OpenAIServing:
             )
         choice = {"index": 0, "text": text, "finish_reason": finish}
         if params.logprobs is not None:
-            choice["logprobs"] = comp_lps
+            choice["logprobs"] = self._public(comp_lps)
         return CompletionResponse(
             id=rid,
             created=int(time.time()),
@@ -415,42 +435,44 @@ class OpenAIServing:
             body.update(extra or {})
             return f"data: {json.dumps(body)}\n\n"
 
-        def piece(out: RequestOutput | None, text: str, finish: str | None, offset: int):
+        token_end = len(echo)  # where the next token's text starts (for text_offset)
+
+        def piece(out: RequestOutput | None, text: str):
+            nonlocal token_end
             if chat:
-                delta = {"content": text}
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
                 if params.logprobs is not None and out is not None:
                     choice["logprobs"] = {"content": self.chat_logprobs(out)}
             else:
-                choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text, "logprobs": None}
                 if params.logprobs is not None and out is not None:
-                    choice["logprobs"] = self.completion_logprobs(out, offset)
+                    part = self.completion_logprobs(out, self.new_completion_logprobs(token_end))
+                    token_end = part["_end"]
+                    choice["logprobs"] = self._public(part)
+            choice["finish_reason"] = None
             return choice
 
         if chat:
-            yield chunk(
-                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-            )
-        offset = 0
+            role = {"role": "assistant", "content": ""}
+            yield chunk([{"index": 0, "delta": role, "finish_reason": None}])
         if echo:
-            yield chunk([piece(None, echo, None, 0)])
-            offset = len(echo)
+            yield chunk([piece(None, echo)])
         last, out = first, first
         try:
             while out is not None:
                 last = out
                 text = out.text or ""
                 if text or out.logprobs:
-                    yield chunk([piece(out, text, None, offset)])
-                    offset += len(text)
+                    yield chunk([piece(out, text)])
                 out = await gen.__anext__() if not out.finished else None
         except StopAsyncIteration:
             pass
-        except APIError as exc:
-            err = {
-                "error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}
-            }
-            yield f"data: {json.dumps(err)}\n\n"
+        except Exception as exc:  # the response has begun: an error event, then the end
+            if not isinstance(exc, APIError):
+                logger.exception("stream %s failed", rid)
+                exc = unavailable(f"generation failed: {type(exc).__name__}", "engine_error")
+            info = {"message": exc.message, "type": exc.type, "param": exc.param}
+            yield f"data: {json.dumps({'error': {**info, 'code': exc.code}})}\n\n"
             yield "data: [DONE]\n\n"
             return
         finally:

@@ -11,15 +11,14 @@ empty ``logit_bias``, ``response_format`` text, no tools): a client must never g
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, Strict, field_validator, model_validator
 
+from deployments.config import _Strict
 from specdec.sampling import MAX_LOGPROBS
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+TokenId = Annotated[int, Strict()]  # `true` is not token 1
 
 
 class SpeculationOptions(_Strict):
@@ -32,7 +31,7 @@ class SpeculationOptions(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = Field(
+    include_usage: bool | None = Field(
         default=False,
         description="Send a last chunk with `choices: []` and the request's usage.",
     )
@@ -42,6 +41,17 @@ def _neutral(name: str, value: Any, neutral: tuple) -> Any:
     if value not in neutral:
         raise ValueError(f"{name} is not supported by this server (only {neutral[0]!r})")
     return value
+
+
+def _empty_only(what: str):
+    """A validator for a field whose only supported values are null and empty."""
+
+    def check(cls, v):
+        if v:
+            raise ValueError(f"{what} not supported by this server")
+        return v
+
+    return classmethod(check)
 
 
 class _SamplingFields(_Strict):
@@ -64,8 +74,10 @@ class _SamplingFields(_Strict):
         description="Up to 4 strings that end generation, matched on the returned text "
         "(not included in it).",
     )
-    n: int = Field(default=1, ge=1, le=1, description="Choices per prompt; only 1 is supported.")
-    stream: bool = Field(default=False, description="Stream Server-Sent Events.")
+    n: int | None = Field(
+        default=1, ge=1, le=1, description="Choices per prompt; only 1 is supported."
+    )
+    stream: bool | None = Field(default=False, description="Stream Server-Sent Events.")
     stream_options: StreamOptions | None = Field(
         default=None, description="Streaming options; only with `stream: true`."
     )
@@ -73,10 +85,10 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = Field(
         default=None, max_length=16, description="Free-form tags (up to 16), not interpreted."
     )
-    frequency_penalty: float = Field(default=0.0, description="Not supported: only 0.")
-    presence_penalty: float = Field(default=0.0, description="Not supported: only 0.")
+    frequency_penalty: float | None = Field(default=0.0, description="Not supported: only 0.")
+    presence_penalty: float | None = Field(default=0.0, description="Not supported: only 0.")
     logit_bias: dict[str, float] | None = Field(
-        default=None, description="Not supported: only null or {}."
+        default=None, description="Not supported: only null, {} or biases of 0."
     )
     speculation: SpeculationOptions | None = Field(
         default=None, description="SpecServe extension: per-request speculation control."
@@ -84,14 +96,14 @@ class _SamplingFields(_Strict):
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
-    def _no_penalty(cls, v: float, info) -> float:
-        return _neutral(info.field_name, v, (0.0,))
+    def _no_penalty(cls, v: float | None, info) -> float | None:
+        return _neutral(info.field_name, v, (0.0, None))
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v, info):
-        if v:
-            raise ValueError("logit_bias is not supported by this server (only null or {})")
+    def _no_bias(cls, v):
+        if v and any(b != 0 for b in v.values()):
+            raise ValueError("logit_bias is not supported by this server (only biases of 0)")
         return v
 
     @model_validator(mode="after")
@@ -102,8 +114,8 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(description="Prompt text, or a list of token ids.")
-    echo: bool = Field(default=False, description="Return the prompt before the completion.")
+    prompt: str | list[TokenId] = Field(description="Prompt text, or a list of token ids.")
+    echo: bool | None = Field(default=False, description="Return the prompt before the completion.")
     logprobs: int | None = Field(
         default=None,
         ge=0,
@@ -141,12 +153,7 @@ class ChatMessage(_Strict):
         default=None, description="Not supported: only null or []."
     )
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v):
-        if v:
-            raise ValueError("tool calls are not supported by this server")
-        return v
+    _no_tool_calls = field_validator("tool_calls")(_empty_only("tool calls are"))
 
     @model_validator(mode="after")
     def _null_content(self):
@@ -171,7 +178,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         default=None, ge=1, description="Most tokens to generate (replaces max_tokens)."
     )
-    logprobs: bool = Field(default=False, description="Return the tokens' log-probabilities.")
+    logprobs: bool | None = Field(
+        default=False, description="Return the tokens' log-probabilities."
+    )
     top_logprobs: int | None = Field(
         default=None,
         ge=0,
@@ -182,15 +191,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = Field(
         default=None, description="Not supported: only null or []."
     )
-    tool_choice: Literal["none"] | None = Field(default=None, description="Only 'none'.")
+    tool_choice: Literal["none", "auto"] | None = Field(
+        default=None, description="Only 'none' (or 'auto', the same without tools)."
+    )
     parallel_tool_calls: bool | None = Field(default=None, description="Ignored without tools.")
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server")
-        return v
+    _no_tools = field_validator("tools")(_empty_only("tools are"))
 
     @model_validator(mode="after")
     def _logprob_fields(self):
@@ -313,6 +319,9 @@ class Health(BaseModel):
     target: bool = Field(description="The target worker is up.")
     draft: bool = Field(description="A draft worker is connected.")
     draft_restarting: bool = Field(description="A replacement draft is being started.")
+    target_restarting: bool = Field(
+        description="A replacement target is loading; requests wait and resume on it."
+    )
     target_restarts: int = Field(description="Target replacements so far.")
     running: int = Field(description="Sequences in the engine core's batch.")
     waiting: int = Field(description="Sequences admitted to the core, not yet running.")

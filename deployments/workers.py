@@ -319,6 +319,7 @@ class DraftWorker:
             branches = drafter.speculate(ids, budget, should_stop=self._has_next)
         except Exception:  # all or nothing: no branch was kept; the round goes on without
             logger.exception("speculation failed; continuing without branches")
+            self._speculated = False  # no branches: the next round says nothing of hits
             return
         self.width.observe_speculation(time.perf_counter() - t0, verify_s, branches is None)
         if branches:

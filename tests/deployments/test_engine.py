@@ -401,7 +401,7 @@ def test_a_failing_request_fails_alone_and_leaks_nothing(
     for prompt, (tokens, last) in zip(PROMPTS[:4], results, strict=True):
         assert tokens == reference[tuple(prompt)] and last.finish_reason == "length"
     assert held["requests"] == []
-    assert held["target"] == {"running": [], "runner": []}
+    assert held["target"] == {"running": [], "runner": [], "kept": []}
     assert held["draft"] == {"drafter": [], "runner": []}
     assert again == reference[tuple(PROMPTS[5])]
     assert health["ready"] and health["error"] is None
@@ -470,7 +470,7 @@ def test_a_request_the_draft_fails_on_goes_target_only_alone(
     for prompt, (tokens, last) in zip(PROMPTS[:4], results, strict=True):
         assert tokens == reference[tuple(prompt)] and last.stats.drafted > 0
     assert stats["failed_sequences"] >= 1 and stats["error"] is None and same_draft
-    assert held["target"] == {"running": [], "runner": []}
+    assert held["target"] == {"running": [], "runner": [], "kept": []}
     assert held["draft"] == {"drafter": [], "runner": []}
 
 
@@ -585,4 +585,4 @@ def test_absolute_position_pair_through_the_engine(ray_local, tiny_gpt2_target, 
     outs, held = asyncio.run(with_engine(cfg, body))
     assert [tokens for tokens, _ in outs] == refs
     assert sum(last.stats.drafted for _, last in outs) > 0
-    assert held["target"] == {"running": [], "runner": []}
+    assert held["target"] == {"running": [], "runner": [], "kept": []}

@@ -378,7 +378,7 @@ UNSUPPORTED = [
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     (
         "/v1/chat/completions",
@@ -643,3 +643,21 @@ def test_health_is_degraded_not_503_while_a_draft_is_replaced(base_url, client):
             time.sleep(0.02)
     assert (200, "degraded") in statuses and statuses[-1] == (200, "ok"), statuses[-5:]
     assert all(code == 200 for code, _ in statuses)
+
+
+def test_streamed_logprobs_offsets_follow_the_tokens_with_a_stop_string(base_url):
+    """Text is held back while a stop string could still complete, but text_offset counts
+    the tokens' own text: contiguous, increasing, and the same as without streaming."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 1}
+    body["stop"] = ["zzzz-never"]
+    whole = post(base_url, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    tokens, offsets = [], []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if choice.get("logprobs"):
+                    tokens += choice["logprobs"]["tokens"]
+                    offsets += choice["logprobs"]["text_offset"]
+    assert tokens == whole["tokens"] and offsets == whole["text_offset"]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
