@@ -451,15 +451,12 @@ class SpecEngine:
             self.target = self._spawn_target()
             try:
                 self.target_info = await self._await_ready(self.target)
-                live = [r.core_item() for r in self._requests.values() if not r.finished]
-                self._replacing_target = False
-                if live:
-                    await self._call(self.target.add_requests.remote(live))
             except Exception as exc:  # any failure of the new core: try another one
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)
                 continue
-            logger.info("target worker replaced (%d restarts)", self._target_restarts)
+            # The draft first, so that resumed requests draft from their first round (a
+            # seeded request then draws exactly what it would have without the failure).
             if self.draft is not None:
                 if self.config.transport == "compiled_graph":
                     # The dead core drove the draft's graph loop, which may never end:
@@ -470,6 +467,16 @@ class SpecEngine:
                         await self._connect(self.target, self.draft)
                     except Exception as exc:  # the draft's problem, not the new target's
                         self._start_draft_replacement(f"it could not reconnect: {exc!r}")
+            live = [r.core_item() for r in self._requests.values() if not r.finished]
+            self._replacing_target = False
+            try:
+                if live:
+                    await self._call(self.target.add_requests.remote(live))
+            except Exception as exc:
+                failures += 1
+                logger.warning("replacement target failed: %r", exc)
+                continue
+            logger.info("target worker replaced (%d restarts)", self._target_restarts)
             return True
 
     def _start_draft_replacement(self, reason: str) -> None:
