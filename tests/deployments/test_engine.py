@@ -66,6 +66,29 @@ async def with_engine(cfg, body):
         await engine.shutdown()
 
 
+EMPTY = {"target": {"running": [], "runner": [], "kept": []}}
+
+
+async def held_after(engine, timeout_s: float = 30.0) -> dict:
+    """What the workers still hold once every request has ended (aborts and frees travel
+    as messages, so give them a moment): the leak check of the fault tests."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = await engine.seq_ids()
+        empty = held["target"] == EMPTY["target"] and held.get("draft", {}) in (
+            {},
+            {"drafter": [], "runner": []},
+        )
+        if empty or time.monotonic() > deadline:
+            return held
+        await asyncio.sleep(0.1)
+
+
+def assert_nothing_held(held: dict) -> None:
+    assert held["requests"] == [] and held["target"] == EMPTY["target"], held
+    assert held.get("draft", {"drafter": [], "runner": []}) == {"drafter": [], "runner": []}
+
+
 def seeded(i):
     return SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True)
 
@@ -262,13 +285,14 @@ def test_draft_killed_mid_generation_requests_complete_unchanged(
             assert time.monotonic() < deadline, "no replacement draft"
             await asyncio.sleep(0.1)
         again, last = await collect(engine, PROMPTS[5], GREEDY)
-        return results, again, last
+        return results, again, last, await held_after(engine)
 
-    results, again, last = asyncio.run(with_engine(cfg, body))
+    results, again, last, held = asyncio.run(with_engine(cfg, body))
     for prompt, tokens in zip(prompts, results, strict=True):
         assert tokens == reference[tuple(prompt)]
     assert again == reference[tuple(PROMPTS[5])]
     assert last.stats.drafted > 0  # speculation resumed on the new draft
+    assert_nothing_held(held)
 
 
 @pytest.mark.parametrize("transport", ["actor", "compiled_graph"])
@@ -282,9 +306,10 @@ def test_target_killed_mid_generation_requests_resume(
         old = engine.target
         results = await asyncio.wait_for(_run_with_kill(engine, "target", prompts, GREEDY), 120)
         assert engine.target is not old
-        return results, engine.health()
+        return results, engine.health(), await held_after(engine)
 
-    results, health = asyncio.run(with_engine(cfg, body))
+    results, health, held = asyncio.run(with_engine(cfg, body))
+    assert_nothing_held(held)
     # Resumed from the tokens already produced: nothing lost, output unchanged.
     for prompt, tokens in zip(prompts, results, strict=True):
         assert tokens == reference[tuple(prompt)]
@@ -551,9 +576,10 @@ def test_a_hung_worker_is_replaced_and_requests_complete(
             with contextlib.suppress(ProcessLookupError):  # replaced: killed already
                 os.kill(info["pid"], signal.SIGCONT)
         again, last = await collect(engine, PROMPTS[5], GREEDY)
-        return results, again, last
+        return results, again, last, await held_after(engine)
 
-    results, again, last = asyncio.run(with_engine(cfg, body))
+    results, again, last, held = asyncio.run(with_engine(cfg, body))
+    assert_nothing_held(held)
     assert [tokens for tokens, _ in results] == refs
     assert again == reference[tuple(PROMPTS[5])] and last.stats.drafted > 0
 
@@ -586,3 +612,18 @@ def test_absolute_position_pair_through_the_engine(ray_local, tiny_gpt2_target, 
     assert [tokens for tokens, _ in outs] == refs
     assert sum(last.stats.drafted for _, last in outs) > 0
     assert held["target"] == {"running": [], "runner": [], "kept": []}
+
+
+def test_draft_vocabulary_mismatch_is_a_startup_error(ray_local, tiny_target, tmp_path):
+    from tests.conftest import save_tiny_llama
+
+    other = save_tiny_llama(tmp_path / "other-vocab", seed=3, layers=1, hidden=32, vocab=97)
+
+    async def start():
+        engine = SpecEngine(config(tiny_target, other))
+        with pytest.raises(EngineError, match="vocabulary"):
+            await engine.start()
+        return engine
+
+    engine = asyncio.run(start())
+    assert engine.status == "unavailable"

@@ -213,10 +213,14 @@ def test_bad_requests_leave_a_request_in_flight_untouched(base_url, client):
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         codes = [post_json(http, "/v1/completions", body).status_code for body, _ in BAD_REQUESTS]
+        codes += [
+            post_json(http, path, {**(CHAT if "chat" in path else COMPLETION), **extra}).status_code
+            for path, extra, _ in UNSUPPORTED
+        ]
         r = post_json(http, "/v1/chat/completions", chat_bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
         rest = [line for line in lines if line.startswith("data: ")]
-    assert codes == [400] * len(BAD_REQUESTS)
+    assert codes == [400] * (len(BAD_REQUESTS) + len(UNSUPPORTED))
     chunks = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == alone
 
