@@ -37,6 +37,7 @@ logger = logging.getLogger("specserve.engine")
 __all__ = [
     "EngineError",
     "EngineOverloadedError",
+    "InvalidRequestError",
     "RequestOutput",
     "RequestStats",
     "RoundTimings",
@@ -52,6 +53,14 @@ class EngineError(RuntimeError):
 
 class EngineOverloadedError(EngineError):
     """Too many requests are waiting; retry later (HTTP 503)."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses (HTTP 400); ``param`` names the offending input."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -294,18 +303,20 @@ class SpecEngine:
             not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
             for t in prompt_token_ids
         ):
-            raise ValueError(
-                f"prompt token ids must be a non-empty list of integers in [0, {vocab})"
+            raise InvalidRequestError(
+                f"prompt token ids must be a non-empty list of integers in [0, {vocab})",
+                "prompt",
             )
         if params.top_k > vocab:
-            raise ValueError(
-                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab}"
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab}", "top_k"
             )
         max_len = self.target_info["max_model_len"]
         if len(prompt_token_ids) + params.max_tokens > max_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the context length {max_len}"
+                f"exceeds the context length {max_len}",
+                "max_tokens",
             )
         spec = self.config.speculation
         k = (
@@ -314,14 +325,15 @@ class SpecEngine:
             else num_speculative_tokens
         )
         if not 0 <= k <= spec.max_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens must be in [0, {spec.max_speculative_tokens}]"
+            raise InvalidRequestError(
+                f"num_speculative_tokens must be in [0, {spec.max_speculative_tokens}]",
+                "speculation.num_speculative_tokens",
             )
         if not speculation or self.config.draft is None:
             k = 0
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
         detok = (
             IncrementalDetokenizer(self.tokenizer, params.stop)
             if self.tokenizer is not None

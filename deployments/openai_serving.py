@@ -18,7 +18,13 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from deployments.config import AppConfig
-from deployments.engine import EngineError, EngineOverloadedError, RequestOutput, SpecEngine
+from deployments.engine import (
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestOutput,
+    SpecEngine,
+)
 from deployments.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -146,10 +152,7 @@ class OpenAIServing:
                     "this model has no tokenizer: send token ids", "invalid_value", "prompt"
                 )
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        vocab = self.engine.target_info["vocab_size"]
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise bad_request(f"token ids must be in [0, {vocab})", "invalid_value", "prompt")
-        return list(prompt)
+        return list(prompt)  # the engine checks the ids against the vocabulary
 
     def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = []
@@ -192,13 +195,6 @@ class OpenAIServing:
             raise bad_request("stop must be up to 4 non-empty strings", "invalid_value", "stop")
         for s in stop:
             check_text(s, "stop")
-        vocab = self.engine.target_info["vocab_size"]
-        if req.top_k > vocab:
-            raise bad_request(
-                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab}",
-                "invalid_value",
-                "top_k",
-            )
         context = self.engine.target_info["max_model_len"]
         room = context - prompt_len
         if room < 1:
@@ -212,7 +208,7 @@ class OpenAIServing:
         if chat and req.max_completion_tokens is not None:
             field, asked = "max_completion_tokens", req.max_completion_tokens
         max_tokens = asked if asked is not None else min(self.config.default_max_tokens, room)
-        if prompt_len + max_tokens > context:
+        if prompt_len + max_tokens > context:  # (the engine checks it too, without the name)
             raise bad_request(
                 f"prompt ({prompt_len} tokens) + {field} ({max_tokens}) exceeds "
                 f"the context length {context}",
@@ -256,7 +252,9 @@ class OpenAIServing:
             raise unavailable(str(exc), "overloaded") from exc
         except EngineError as exc:
             raise unavailable(str(exc), "engine_error") from exc
-        except ValueError as exc:  # the engine's own checks (callers other than HTTP too)
+        except InvalidRequestError as exc:  # the engine's checks, shared by every caller
+            raise bad_request(str(exc), "invalid_value", exc.param) from exc
+        except ValueError as exc:
             raise bad_request(str(exc)) from exc
         finally:
             await stream.aclose()  # a client that went away frees its sequence now
