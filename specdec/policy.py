@@ -1,5 +1,8 @@
 """Speculation policies: pure decisions the draft and the engine core consult each round.
 
+:class:`SpeculationLength` chooses the draft length k per domain and batch size from
+measured acceptance and costs (below).
+
 :class:`SpeculationWidth` decides how many outcomes the draft prepares per round while
 the target verifies. Branches are free only while they finish before verification does:
 branches still being drafted when the outcome arrives are dropped, and where draft and
@@ -18,6 +21,8 @@ verification also slows the target. So nothing here is assumed, it is measured:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from specdec.speedup import best_k
 
 
 def batch_bucket(num_seqs: int) -> int:
@@ -156,3 +161,147 @@ class SpeculationWidth:
             self.hit_rate = self.decay * self.hit_rate + (1 - self.decay) * hits / rows
             if self.hit_rate >= self.min_hit_rate:
                 self._paused_rounds = 0
+
+
+@dataclass
+class _Domain:
+    """Decayed acceptance counts of one traffic domain, and its probing state."""
+
+    accepted: float = 0.0  # A: accepted draft tokens
+    rejections: float = 0.0  # R: rounds that ended in a rejection
+    choices: int = 0  # rounds this domain was asked about
+    disabled_at: int | None = None  # its choice count when k = 0 was chosen
+    probe_left: int = 0  # probe rounds still to run
+
+    @property
+    def tokens(self) -> float:
+        return self.accepted + self.rejections
+
+    def alpha(self) -> float:
+        return self.accepted / self.tokens
+
+
+class SpeculationLength:
+    """The draft length k per domain and batch size, chosen for goodput (pure).
+
+    Acceptance alone cannot decide whether to speculate: with acceptance flat, the best k
+    falls to 0 as the batch grows because verification stops being memory-bound (on GPUs
+    and on CPUs alike). So k maximises predicted committed tokens per second,
+    ``E(k) / (k·T_d(b) + T_v(b, k + 1))`` (:func:`specdec.speedup.best_k`), from
+
+    * ``α̂ = A / (A + R)`` per domain (decayed counts of accepted tokens and of rounds that
+      hit a rejection: independent of k, unlike accepted/drafted), and
+    * the measured costs of the batch size's bucket: a draft step, and verification at
+      each number of positions per row seen so far (others interpolated linearly, or
+      scaled from the nearest measured point).
+
+    ``k = 0`` when no k is predicted to pay. A disabled domain is re-probed with
+    ``probe_k`` for ``probe_rounds`` rounds every ``probe_every`` choices, so a domain
+    whose traffic recovers gets speculation back while a losing one costs at most
+    ``probe_rounds / probe_every`` of its rounds. A drift alert (:meth:`on_drift`)
+    replaces the domain's history with the detector's recent estimate, so the next
+    choice already reflects it. A request that sets its own k is not asked about.
+    """
+
+    def __init__(
+        self,
+        max_k: int,
+        default_k: int,
+        *,
+        decay: float = 0.995,
+        min_tokens: float = 32.0,
+        probe_every: int = 256,
+        probe_rounds: int = 8,
+        probe_k: int = 1,
+        cost_decay: float = 0.9,
+    ):
+        if not 0 <= default_k <= max_k or probe_k < 1 or probe_every < probe_rounds:
+            raise ValueError(
+                "need 0 <= default_k <= max_k, probe_k >= 1, probe_every >= probe_rounds"
+            )
+        self.max_k, self.default_k = max_k, default_k
+        self.decay, self.min_tokens, self.cost_decay = decay, min_tokens, cost_decay
+        self.probe_every, self.probe_rounds, self.probe_k = probe_every, probe_rounds, probe_k
+        self._domains: dict[str, _Domain] = {}
+        self._verify: dict[tuple[int, int], float] = {}  # (bucket, positions) -> seconds
+        self._draft: dict[int, float] = {}  # bucket -> seconds per draft step
+
+    # ----- observations -------------------------------------------------------------------
+
+    def _ewma(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else self.cost_decay * old + (1 - self.cost_decay) * value
+
+    def observe_verify(self, batch_size: int, positions: int, seconds: float) -> None:
+        """A target pass over ``batch_size`` rows of ``positions`` tokens each took this."""
+        self._ewma(self._verify, (batch_bucket(batch_size), positions), seconds)
+
+    def observe_draft_step(self, batch_size: int, seconds: float) -> None:
+        """One draft forward step over ``batch_size`` rows took this."""
+        self._ewma(self._draft, batch_bucket(batch_size), seconds)
+
+    def observe_round(self, domain: str, drafted: int, accepted: int) -> None:
+        """One sequence's round: ``accepted`` of ``drafted`` drafts (a rejection if fewer)."""
+        if drafted <= 0:
+            return
+        d = self._domains.setdefault(domain, _Domain())
+        d.accepted = self.decay * d.accepted + accepted
+        d.rejections = self.decay * d.rejections + (1.0 if accepted < drafted else 0.0)
+
+    def on_drift(self, domain: str, current_alpha: float, weight: float | None = None) -> None:
+        """A drift alert: forget the domain's history in favour of the recent estimate."""
+        d = self._domains.setdefault(domain, _Domain())
+        w = self.min_tokens if weight is None else weight
+        d.accepted, d.rejections = current_alpha * w, (1.0 - current_alpha) * w
+
+    def alpha(self, domain: str) -> float | None:
+        d = self._domains.get(domain)
+        return d.alpha() if d is not None and d.tokens >= self.min_tokens else None
+
+    # ----- the decision -------------------------------------------------------------------
+
+    def _verify_fn(self, bucket: int):
+        measured = sorted((n, t) for (b, n), t in self._verify.items() if b == bucket)
+        if not measured:
+            return None
+
+        def verify(n: int) -> float:
+            below = [(m, t) for m, t in measured if m <= n]
+            above = [(m, t) for m, t in measured if m >= n]
+            if below and above:
+                (n0, t0), (n1, t1) = below[-1], above[0]
+                return t0 if n1 == n0 else t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+            m, t = below[-1] if below else above[0]
+            return t * n / m if n > m else t  # past the data: cost grows with positions
+
+        return verify
+
+    def predicted_k(self, domain: str, batch_size: int) -> int:
+        """The goodput-maximising k from what is measured (``default_k`` until then)."""
+        alpha = self.alpha(domain)
+        bucket = batch_bucket(batch_size)
+        verify = self._verify_fn(bucket)
+        if alpha is None or verify is None or bucket not in self._draft:
+            return self.default_k
+        return best_k(alpha, self._draft[bucket], verify, self.max_k)[0]
+
+    def choose(self, domain: str, batch_size: int, requested: int | None = None) -> int:
+        """k for one sequence's next round; ``requested`` (the request's own k) wins."""
+        if requested is not None:
+            return requested
+        d = self._domains.setdefault(domain, _Domain())
+        d.choices += 1
+        if d.probe_left > 0:
+            d.probe_left -= 1
+            return self.probe_k
+        k = self.predicted_k(domain, batch_size)
+        if k > 0:
+            d.disabled_at = None
+            return k
+        if d.disabled_at is None:
+            d.disabled_at = d.choices
+        elif d.choices - d.disabled_at >= self.probe_every:
+            d.disabled_at = d.choices
+            d.probe_left = self.probe_rounds - 1
+            return self.probe_k
+        return 0
