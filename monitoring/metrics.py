@@ -1,0 +1,202 @@
+"""SpecServe's OpenTelemetry instruments, and the records replicas send to fill them.
+
+Replicas do not own exporters (a fixed port per replica process would clash): they batch
+:class:`RoundRecord`/:class:`RequestRecord` values and send them off the critical path to
+the monitor (:mod:`monitoring.monitor`), which records them here. Names follow vLLM's
+spec-decode counters where one exists (``vllm:spec_decode_num_drafts`` ->
+``specserve.spec_decode.num_drafts``) plus what vLLM lacks: rejection rounds R, so that
+the k-free acceptance estimate ``alpha_hat = A / (A + R)`` is one PromQL division. The
+GenAI semantic-convention histograms carry their required attributes. Prometheus names
+(dots to underscores, ``_seconds`` for unit ``s``, ``_total`` for counters) and PromQL
+for each are in ``monitoring/README.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry.metrics import Meter
+
+# Bucket bounds (seconds) for latencies from sub-millisecond rounds to minute-long requests.
+ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One sequence's verification round that carried drafts."""
+
+    domain: str
+    drafted: int  # draft tokens verified
+    accepted: int  # of them accepted (a rejection happened iff accepted < drafted)
+    cache_hit: bool = False  # the drafts were prepared while the previous round verified
+
+
+@dataclass(frozen=True)
+class RoundBatch:
+    """What a replica sends per flush: its rounds since the last one, and its state."""
+
+    model: str
+    replica: str
+    rounds: Sequence[RoundRecord] = ()
+    verify_s: Sequence[float] = ()  # per engine round
+    draft_wait_s: Sequence[float] = ()
+    overhead_s: Sequence[float] = ()
+    committed: dict[str, int] = field(default_factory=dict)  # domain -> tokens committed
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """A finished request, for the GenAI server histograms."""
+
+    model: str
+    replica: str
+    domain: str
+    operation: str  # gen_ai.operation.name: "text_completion" or "chat"
+    time_to_first_token_s: float | None
+    duration_s: float
+    output_tokens: int
+    error_type: str | None = None
+
+
+class SpecServeMetrics:
+    """The instruments, created on one meter; ``record_*`` turn records into data points."""
+
+    def __init__(self, meter: Meter):
+        c, g, h = meter.create_counter, meter.create_gauge, meter.create_histogram
+        self.num_drafts = c("specserve.spec_decode.num_drafts", description="Rounds with drafts.")
+        self.num_draft_tokens = c(
+            "specserve.spec_decode.num_draft_tokens", description="Draft tokens verified."
+        )
+        self.num_accepted_tokens = c(
+            "specserve.spec_decode.num_accepted_tokens", description="Draft tokens accepted (A)."
+        )
+        self.num_rejection_rounds = c(
+            "specserve.spec_decode.num_rejection_rounds",
+            description="Rounds that ended in a rejection (R); alpha_hat = A / (A + R).",
+        )
+        self.accepted_per_pos = c(
+            "specserve.spec_decode.num_accepted_tokens_per_pos",
+            description="Accepted draft tokens by draft position (0-based).",
+        )
+        self.cache_hits = c(
+            "specserve.speculation.cache_hits", description="Rounds whose drafts were ready."
+        )
+        self.cache_misses = c(
+            "specserve.speculation.cache_misses", description="Rounds that waited for drafts."
+        )
+        self.generation_tokens = c(
+            "specserve.generation.tokens", description="Tokens committed to requests."
+        )
+        self.k = g("specserve.speculation.k", description="Draft length chosen per domain.")
+        self.enabled = g(
+            "specserve.speculation.enabled", description="1 while a domain speculates."
+        )
+        self.break_even = g(
+            "specserve.speculation.break_even_alpha",
+            description="Per-token acceptance below which speculation loses time.",
+        )
+        self.drift = g(
+            "specserve.acceptance_drift", description="1 while a drift alert fires for a domain."
+        )
+        self.baseline = g(
+            "specserve.acceptance_alpha_baseline",
+            description="The drift detector's learned baseline acceptance per domain.",
+        )
+        self.running = g("specserve.scheduler.running", description="Sequences in the batch.")
+        self.waiting = g("specserve.scheduler.waiting", description="Sequences waiting.")
+        self.verify = h(
+            "specserve.round.verify",
+            unit="s",
+            description="Target pass + verification per engine round.",
+            explicit_bucket_boundaries_advisory=ROUND_BUCKETS,
+        )
+        self.draft_wait = h(
+            "specserve.round.draft_wait",
+            unit="s",
+            description="Time a round waited for its drafts.",
+            explicit_bucket_boundaries_advisory=ROUND_BUCKETS,
+        )
+        self.overhead = h(
+            "specserve.round.overhead",
+            unit="s",
+            description="Critical-path time that is neither verification nor draft wait.",
+            explicit_bucket_boundaries_advisory=ROUND_BUCKETS,
+        )
+        self.ttft = h(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time to generate the first token.",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
+        )
+        self.tpot = h(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per output token after the first.",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
+        )
+        self.duration = h(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Generative AI server request duration.",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
+        )
+
+    def record_rounds(self, batch: RoundBatch) -> None:
+        base = {"model": batch.model, "replica": batch.replica}
+        for r in batch.rounds:
+            if r.drafted <= 0:
+                continue
+            attrs = {**base, "domain": r.domain}
+            self.num_drafts.add(1, attrs)
+            self.num_draft_tokens.add(r.drafted, attrs)
+            self.num_accepted_tokens.add(r.accepted, attrs)
+            if r.accepted < r.drafted:
+                self.num_rejection_rounds.add(1, attrs)
+            for pos in range(r.accepted):
+                self.accepted_per_pos.add(1, {**attrs, "position": pos})
+            (self.cache_hits if r.cache_hit else self.cache_misses).add(1, base)
+        for domain, tokens in batch.committed.items():
+            self.generation_tokens.add(tokens, {**base, "domain": domain})
+        for hist, values in (
+            (self.verify, batch.verify_s),
+            (self.draft_wait, batch.draft_wait_s),
+            (self.overhead, batch.overhead_s),
+        ):
+            for v in values:
+                hist.record(v, base)
+        self.running.set(batch.running, base)
+        self.waiting.set(batch.waiting, base)
+
+    def record_request(self, rec: RequestRecord) -> None:
+        attrs = {
+            "gen_ai.operation.name": rec.operation,
+            "gen_ai.system": "specserve",
+            "gen_ai.request.model": rec.model,
+            "model": rec.model,
+            "replica": rec.replica,
+            "domain": rec.domain,
+        }
+        if rec.error_type:
+            attrs["error.type"] = rec.error_type
+        self.duration.record(rec.duration_s, attrs)
+        if rec.time_to_first_token_s is not None:
+            self.ttft.record(rec.time_to_first_token_s, attrs)
+            if rec.output_tokens > 1:
+                per_token = (rec.duration_s - rec.time_to_first_token_s) / (rec.output_tokens - 1)
+                self.tpot.record(per_token, attrs)
+
+    def set_policy(self, model: str, domain: str, k: int, break_even: float) -> None:
+        attrs = {"model": model, "domain": domain}
+        self.k.set(k, attrs)
+        self.enabled.set(int(k > 0), attrs)
+        self.break_even.set(break_even, attrs)
+
+    def set_drift(self, model: str, domain: str, firing: bool, baseline: float | None) -> None:
+        attrs = {"model": model, "domain": domain}
+        self.drift.set(int(firing), attrs)
+        if baseline is not None:
+            self.baseline.set(baseline, attrs)

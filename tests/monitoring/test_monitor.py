@@ -1,0 +1,159 @@
+"""The monitor with the real OpenTelemetry SDK: metrics, drift log records, Prometheus."""
+
+import socket
+
+import httpx
+import numpy as np
+import pytest
+from opentelemetry._logs import SeverityNumber
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import InMemoryLogExporter, SimpleLogRecordProcessor
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from monitoring.drift import DriftConfig
+from monitoring.metrics import RequestRecord, RoundBatch, RoundRecord
+from monitoring.monitor import DRIFT_EVENT, Monitor, build_providers
+
+K = 4
+FAST = DriftConfig(warmup_tokens=3000)
+
+
+def rounds(rng, domain, alpha, n):
+    """n rounds of k drafts with i.i.d. per-token acceptance alpha (censored geometric)."""
+    out = []
+    for _ in range(n):
+        a = 0
+        while a < K and rng.random() < alpha:
+            a += 1
+        out.append(RoundRecord(domain, K, a, cache_hit=bool(rng.random() < 0.5)))
+    return out
+
+
+def batch(records, **kw):
+    return RoundBatch(model="demo-target", replica="r1", rounds=records, **kw)
+
+
+@pytest.fixture
+def monitor():
+    reader, logs = InMemoryMetricReader(), InMemoryLogExporter()
+    logger_provider = LoggerProvider()
+    logger_provider.add_log_record_processor(SimpleLogRecordProcessor(logs))
+    mon = Monitor(MeterProvider(metric_readers=[reader]), logger_provider, FAST)
+    yield mon, reader, logs
+    mon.shutdown()
+
+
+def points(reader, name):
+    """{frozenset(attributes): value} of one metric in the reader's current data."""
+    out = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                if m.name == name:
+                    for p in m.data.data_points:
+                        out[frozenset(p.attributes.items())] = getattr(p, "value", p)
+    return out
+
+
+def test_counters_give_the_k_free_acceptance_estimate(monitor):
+    mon, reader, _ = monitor
+    rng = np.random.default_rng(0)
+    recs = rounds(rng, "python", 0.8, 2000)
+    mon.report(batch(recs, verify_s=[0.01] * 5, running=3, waiting=1, committed={"python": 77}))
+    key = frozenset({"model": "demo-target", "replica": "r1", "domain": "python"}.items())
+    accepted = points(reader, "specserve.spec_decode.num_accepted_tokens")[key]
+    rejections = points(reader, "specserve.spec_decode.num_rejection_rounds")[key]
+    assert points(reader, "specserve.spec_decode.num_drafts")[key] == 2000
+    assert accepted == sum(r.accepted for r in recs)
+    assert rejections == sum(r.accepted < r.drafted for r in recs)
+    assert accepted / (accepted + rejections) == pytest.approx(0.8, abs=0.02)
+    per_pos = points(reader, "specserve.spec_decode.num_accepted_tokens_per_pos")
+    by_pos = [per_pos[frozenset({**dict(key), "position": p}.items())] for p in range(K)]
+    assert by_pos == [sum(r.accepted > p for r in recs) for p in range(K)]
+    assert points(reader, "specserve.generation.tokens")[key] == 77
+    base = frozenset({"model": "demo-target", "replica": "r1"}.items())
+    assert points(reader, "specserve.scheduler.running")[base] == 3
+    hits = points(reader, "specserve.speculation.cache_hits")[base]
+    misses = points(reader, "specserve.speculation.cache_misses")[base]
+    assert hits + misses == 2000
+    assert points(reader, "specserve.round.verify")[base].count == 5
+
+
+def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
+    """Python traffic drops from 0.75 to 0.45 per-token acceptance: the alert fires (within
+    100 rounds here; the detection-delay figures are measured in test_drift) with a WARN record; prose next to it never alerts; back to 0.75, it resolves
+    with an INFO record and the gauge returns to 0."""
+    mon, reader, logs = monitor
+    rng = np.random.default_rng(1)
+    for _ in range(40):  # warm-up and in control, both domains, 100 rounds per flush
+        mon.report(batch(rounds(rng, "python", 0.75, 50) + rounds(rng, "prose", 0.75, 50)))
+    assert mon.events == []
+    delay = None
+    for i in range(100):
+        mon.report(batch(rounds(rng, "python", 0.45, 1) + rounds(rng, "prose", 0.75, 1)))
+        if mon.events:
+            delay = i + 1
+            break
+    assert delay is not None, delay
+    (fired,) = mon.events
+    assert fired.kind == "fire" and fired.domain == "python" and fired.k == K
+    gauge = points(reader, "specserve.acceptance_drift")
+    assert gauge[frozenset({"model": "demo-target", "domain": "python"}.items())] == 1
+    for _ in range(60):
+        if len(mon.events) > 1:
+            break
+        mon.report(batch(rounds(rng, "python", 0.75, 20) + rounds(rng, "prose", 0.75, 20)))
+    assert [e.kind for e in mon.events] == ["fire", "resolve"]
+    assert gauge_value(reader, "python") == 0
+    records = [r.log_record for r in logs.get_finished_logs()]
+    assert [r.event_name for r in records] == [DRIFT_EVENT, DRIFT_EVENT]
+    assert [r.severity_number for r in records] == [SeverityNumber.WARN, SeverityNumber.INFO]
+    attrs = records[0].attributes
+    assert attrs["specserve.domain"] == "python" and attrs["specserve.k"] == K
+    assert attrs["specserve.baseline"] == pytest.approx(0.75, abs=0.03)
+    assert attrs["specserve.current"] < 0.6
+    assert {"specserve.rounds", "specserve.break_even"} <= set(attrs)
+
+
+def gauge_value(reader, domain):
+    return points(reader, "specserve.acceptance_drift")[
+        frozenset({"model": "demo-target", "domain": domain}.items())
+    ]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_endpoint_names_and_bounded_cardinality():
+    port = free_port()
+    meter_provider, logger_provider, _ = build_providers(port, cardinality_limit=8)
+    mon = Monitor(meter_provider, logger_provider, FAST)
+    try:
+        rng = np.random.default_rng(2)
+        recs = [r for d in range(30) for r in rounds(rng, f"tenant-{d}", 0.7, 3)]
+        mon.report(batch(recs))
+        mon.report_request(RequestRecord("demo-target", "r1", "tenant-0", "chat", 0.05, 0.5, 10))
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        mon.shutdown()
+    for name in (
+        "specserve_spec_decode_num_drafts_total",
+        "specserve_spec_decode_num_rejection_rounds_total",
+        "specserve_spec_decode_num_accepted_tokens_per_pos_total",
+        "gen_ai_server_time_to_first_token_seconds_bucket",
+        "gen_ai_server_time_per_output_token_seconds_bucket",
+        "gen_ai_server_request_duration_seconds_count",
+    ):
+        assert name in text, name
+    drafts = [
+        line
+        for line in text.splitlines()
+        if line.startswith("specserve_spec_decode_num_drafts_total{")
+    ]
+    # 30 domains, at most 8 series plus the overflow series that holds the rest.
+    assert len(drafts) <= 8 + 1 and any('otel_metric_overflow="true"' in line for line in drafts)
+    assert 'gen_ai_operation_name="chat"' in text
