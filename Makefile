@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint down clean bench-peers
+.PHONY: serve test lint down clean bench-peers monitoring-tools
 
 # Create the virtualenv and install the project (+ dev tools) once; reinstall when
 # pyproject.toml changes. torch==2.13.0 resolves to the CPU wheel on our machines.
@@ -15,7 +15,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch, transformers, ray, specdec"
 	touch $(STAMP)
 
-test: $(STAMP)
+# promtool (Debian's `prometheus` package) checks and unit-tests monitoring/prometheus/ in
+# tests/monitoring/test_alert_rules.py; Alertmanager receives the alerts (`make observe`).
+# Installed from apt only when missing, with sudo only when not root.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
+
+monitoring-tools:
+	@missing=""; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 \
+		|| missing="$$missing prometheus-alertmanager"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing"; \
+		$(APT_INSTALL) $$missing || { $(SUDO) apt-get update && $(APT_INSTALL) $$missing; }; \
+	fi
+
+test: $(STAMP) monitoring-tools
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

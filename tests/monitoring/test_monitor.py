@@ -82,8 +82,9 @@ def test_counters_give_the_k_free_acceptance_estimate(monitor):
 
 def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     """Python traffic drops from 0.75 to 0.45 per-token acceptance: the alert fires (within
-    100 rounds here; the detection-delay figures are measured in test_drift) with a WARN record; prose next to it never alerts; back to 0.75, it resolves
-    with an INFO record and the gauge returns to 0."""
+    100 rounds here; the detection-delay figures are measured in test_drift) with a WARN
+    record; prose next to it never alerts; back to 0.75, it resolves with an INFO record
+    and the gauge returns to 0."""
     mon, reader, logs = monitor
     rng = np.random.default_rng(1)
     for _ in range(40):  # warm-up and in control, both domains, 100 rounds per flush
