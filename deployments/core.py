@@ -596,7 +596,7 @@ class EngineCore:
                         seq.synced = False
                         if sid in self._give_up:
                             self._give_up.discard(sid)
-                            seq.k = 0
+                            seq.k = seq.k_next = 0  # no drafts wanted from now on
                             # The marker may be older than a resync the draft has taken
                             # since: have it free the sequence (freeing is idempotent).
                             self._dropped.append(sid)
