@@ -389,26 +389,17 @@ class OpenAIServing:
             total_tokens=len(prompt_ids) + n_out,
         )
         finish = last.finish_reason if last else "length"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"content": text},
-                "finish_reason": finish,
-            }
+            choice["message"] = {"content": text}
             if params.logprobs is not None:
                 choice["logprobs"] = {"content": chat_lps}
-            return ChatCompletionResponse(
-                id=rid,
-                created=int(time.time()),
-                model=self.model_name,
-                choices=[choice],
-                usage=usage,
-                speculation=self.report(last, args),
-            )
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        if params.logprobs is not None:
-            choice["logprobs"] = self._public(comp_lps)
-        return CompletionResponse(
+        else:
+            choice["text"] = text
+            if params.logprobs is not None:
+                choice["logprobs"] = self._public(comp_lps)
+        response = ChatCompletionResponse if chat else CompletionResponse
+        return response(
             id=rid,
             created=int(time.time()),
             model=self.model_name,
