@@ -234,7 +234,7 @@ def test_sampling_through_overlap_engine_follows_target(ray_local, tiny_target, 
     )
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=9, ignore_eos=True)
     prompt = PROMPTS[0]
-    n, depth = 1500, 5
+    n, depth = 1000, 5
 
     async def body(engine):
         outs = await asyncio.gather(*[collect(engine, prompt, params) for _ in range(n)])

@@ -157,7 +157,7 @@ def test_dynamic_draft_length_is_exact(target, tiny_draft):
 
     proposer.min_confidence = 0.075  # sampled tokens are less likely than the argmax
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=5, ignore_eos=True)
-    prompt, n, depth = PROMPTS[0], 1200, 5
+    prompt, n, depth = PROMPTS[0], 800, 5
     torch.manual_seed(1)
     counts: dict[tuple[int, ...], int] = {}
     lengths = set()
