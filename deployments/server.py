@@ -9,7 +9,6 @@ Errors use OpenAI's error JSON; bad input never yields a 500, and every 503 carr
 from __future__ import annotations
 
 import hmac
-import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -19,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppConfig
 from deployments.engine import SpecEngine
-from deployments.openai_serving import APIError, OpenAIServing
+from deployments.openai_serving import RETRY_AFTER_S, APIError, OpenAIServing
 from deployments.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -30,8 +29,6 @@ from deployments.protocol import (
     ModelCard,
     ModelList,
 )
-
-logger = logging.getLogger("specserve.server")
 
 ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
@@ -136,7 +133,7 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():
         body, status = serving.health()
-        headers = {"Retry-After": "5"} if status == 503 else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
         return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
     return app
