@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint down clean bench-peers monitoring-tools
+.PHONY: serve test lint down clean bench-peers monitoring-tools observe
 
 # Create the virtualenv and install the project (+ dev tools) once; reinstall when
 # pyproject.toml changes. torch==2.13.0 resolves to the CPU wheel on our machines.
@@ -51,6 +51,11 @@ serve: $(STAMP)
 	$(BIN)/serve deploy cluster/serve/demo.yaml
 	$(BIN)/python -m deployments.smoke --url $(SERVE_URL)
 	@echo "Status: RAY_AUTH_MODE=token $(BIN)/serve status   Stop: make down"
+
+# The demo (make serve) plus Prometheus and Alertmanager on loopback, scraping its monitor
+# deployment (port 9464, cluster/serve/demo.yaml); prints their URLs, Ctrl-C stops them.
+observe: serve monitoring-tools
+	$(BIN)/python -m monitoring.stack --monitor 127.0.0.1:9464
 
 # SpecServe against transformers plain and assisted generation on the same pair, batch 1.
 bench-peers: $(STAMP)

@@ -43,7 +43,7 @@ def engine_config(mode: str, k: int, max_num_seqs: int, transport: str = "actor"
             "engine_resources": {"num_cpus": 0},
             "target_resources": {"num_cpus": 1},
             "draft_resources": {"num_cpus": 1},
-            "speculation": {"mode": mode, "num_speculative_tokens": k},
+            "speculation": {"mode": mode, "num_speculative_tokens": k, "policy": "fixed"},
             "scheduler": {"max_num_seqs": max_num_seqs, "max_waiting": 1024},
         }
     )

@@ -1,4 +1,8 @@
-"""The Serve application: one deployment whose replicas run the engine and its HTTP API.
+"""The Serve application: replicas that run the engine and its HTTP API, and a monitor.
+
+Each ``SpecServeDeployment`` replica owns a draft/target pair; the one ``monitor``
+deployment (:mod:`monitoring.deployment`) receives every replica's round records and
+serves metrics and drift alerts for all of them.
 
 ``serve deploy cluster/serve/demo.yaml`` imports :func:`build_app` with the YAML's
 ``args``; those are validated by :class:`deployments.config.AppConfig`, the same schema
@@ -16,11 +20,14 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig, EngineConfig
 from deployments.engine import SpecEngine
 from deployments.placement import placement_for
 from deployments.server import create_app
+from monitoring.deployment import MonitorDeployment
+from monitoring.domains import DomainResolver
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger("specserve.app")
@@ -45,7 +52,7 @@ def load_tokenizer(config: EngineConfig):
 class SpecServeDeployment:
     """A replica: the engine (with its own draft/target workers) plus the OpenAI API."""
 
-    async def __init__(self, config: dict[str, Any]):
+    async def __init__(self, config: dict[str, Any], monitor: DeploymentHandle | None = None):
         self.config = AppConfig.model_validate(config)
         if self.config.api_key is None and os.environ.get("SPECSERVE_API_KEY"):
             self.config = self.config.model_copy(
@@ -53,9 +60,22 @@ class SpecServeDeployment:
             )
         self.tokenizer = load_tokenizer(self.config.engine)
         pg = ray.util.get_current_placement_group()
-        self.engine = SpecEngine(self.config.engine, placement_group=pg, tokenizer=self.tokenizer)
-        await self.engine.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.monitor = monitor
+        self.domains = DomainResolver(self.config.monitoring)  # for handle calls
+        self.engine = SpecEngine(
+            self.config.engine,
+            placement_group=pg,
+            tokenizer=self.tokenizer,
+            telemetry=self._send_telemetry if monitor is not None else None,
+            flush_interval_s=self.config.monitoring.flush_interval_s,
+            replica=self.replica_id,
+        )
+        await self.engine.start()
+
+    async def _send_telemetry(self, batch, requests, cursor):
+        """The engine's telemetry sink: one call to the monitor deployment per flush."""
+        return await self.monitor.report.remote(batch, requests, cursor)
 
     def __serve_build_asgi_app__(self):
         return create_app(self.config, self.engine, self.tokenizer, self.replica_id)
@@ -64,7 +84,7 @@ class SpecServeDeployment:
         """Token-level streaming for Python handles (benchmarks, tests).
 
         ``request``: ``prompt_token_ids``, ``params`` (SamplingParams fields), and optional
-        ``num_speculative_tokens``, ``speculation`` (bool) and ``request_id``.
+        ``num_speculative_tokens``, ``speculation`` (bool), ``request_id`` and ``domain``.
         """
         params = SamplingParams(**request.get("params", {}))
         async for out in self.engine.generate(
@@ -73,6 +93,7 @@ class SpecServeDeployment:
             num_speculative_tokens=request.get("num_speculative_tokens"),
             speculation=request.get("speculation", True),
             request_id=request.get("request_id"),
+            domain=self.domains.bound(request.get("domain")),
         ):
             yield {
                 **asdict(out),
@@ -124,7 +145,12 @@ def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Applic
         options["autoscaling_config"] = config.autoscaling_config
     else:
         options["num_replicas"] = config.num_replicas
-    return SpecServeDeployment.options(**options).bind(config.model_dump())
+    monitor = None
+    if config.monitoring.enabled:
+        monitor = MonitorDeployment.options(name=f"{name}Monitor").bind(
+            config.monitoring.model_dump()
+        )
+    return SpecServeDeployment.options(**options).bind(config.model_dump(), monitor)
 
 
 def build_app(args: dict[str, Any]) -> Application:

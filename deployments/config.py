@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from monitoring.drift import DriftConfig
+
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
@@ -118,6 +120,21 @@ class SpeculationConfig(_Strict):
         description="Overlap mode: narrow speculation when it is cut short by verification "
         "ending, widen it while it finishes early, and pause it (re-probing) while its hit "
         "rate is too low to pay; False always speculates at speculation_width.",
+    )
+    policy: Literal["goodput", "fixed"] = Field(
+        default="goodput",
+        description="'goodput': per traffic domain and batch size, k in 0..num_speculative_"
+        "tokens is chosen each round to maximise predicted tokens/s from the domain's "
+        "measured acceptance and the measured round cost of each k (0 when no k pays; a "
+        "disabled domain is re-probed; drift alerts take effect at once). 'fixed': always "
+        "num_speculative_tokens. A request's own num_speculative_tokens always wins, and "
+        "seeded requests always use num_speculative_tokens (so that a seed repeats).",
+    )
+    policy_probe_every: int = Field(
+        default=128,
+        ge=8,
+        description="'goodput' policy: engine rounds between re-probes (4 rounds at k = 1) "
+        "of a domain whose speculation is off, so that a recovered domain gets it back.",
     )
 
 
@@ -232,6 +249,83 @@ class EngineConfig(_Strict):
         return self.served_model_name or self.target.model.rstrip("/").split("/")[-1]
 
 
+class MonitoringConfig(_Strict):
+    """The monitor deployment: metrics, drift detection and alerts for the whole app."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Run the monitor deployment and send it every replica's round records.",
+    )
+    prometheus_port: int | None = Field(
+        default=9464,
+        ge=1,
+        le=65535,
+        description="Port of the monitor's Prometheus scrape endpoint (one per app: only the "
+        "monitor serves it, so replicas never clash); None: no endpoint (OTLP only).",
+    )
+    prometheus_host: str = Field(
+        default="0.0.0.0", description="Address the scrape endpoint listens on."
+    )
+    flush_interval_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=60.0,
+        description="How often each replica sends its round records to the monitor.",
+    )
+    domain_source: Literal["none", "user", "metadata", "header"] = Field(
+        default="metadata",
+        description="Where a request's traffic domain comes from: the OpenAI 'user' field, "
+        "the 'metadata' key named by domain_key, or the HTTP header named by domain_key; "
+        "'none' puts every request in default_domain.",
+    )
+    domain_key: str = Field(
+        default="domain",
+        min_length=1,
+        max_length=64,
+        description="The metadata key or header name that carries the domain.",
+    )
+    default_domain: str = Field(
+        default="default",
+        min_length=1,
+        max_length=64,
+        description="The global key: the domain of requests that name none.",
+    )
+    domains: list[str] | None = Field(
+        default=None,
+        description="Known domains; others go to overflow_domain. None: any name is "
+        "accepted until max_domains are in use, later ones go to overflow_domain.",
+    )
+    max_domains: int = Field(
+        default=64,
+        ge=1,
+        le=10_000,
+        description="Most distinct domains tracked per replica (and label values per metric).",
+    )
+    overflow_domain: str = Field(
+        default="__overflow__", description="Where unknown domains and those past the cap go."
+    )
+    cardinality_limit: int = Field(
+        default=2000,
+        ge=10,
+        description="Label sets per instrument before the SDK folds new ones into its "
+        "overflow series (otel.metric.overflow=true).",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="Optional OTLP/HTTP base URL (e.g. http://collector:4318) for metrics and "
+        "the drift log records; without it OTEL_EXPORTER_OTLP_ENDPOINT in the monitor's "
+        "environment is used when set.",
+    )
+    alertmanager_url: str | None = Field(
+        default=None,
+        description="Optional: also push drift alerts straight to this Alertmanager "
+        "(v2 API, e.g. http://127.0.0.1:9093) on firing and on resolve.",
+    )
+    drift: DriftConfig = Field(
+        default_factory=DriftConfig, description="The per-domain CUSUM drift detector."
+    )
+
+
 class AppConfig(_Strict):
     """The ``args`` of ``deployments.app:build_app`` in a ``serve deploy`` config."""
 
@@ -248,6 +342,10 @@ class AppConfig(_Strict):
         default=256,
         ge=1,
         description="max_tokens when a request does not say (capped by the context).",
+    )
+    monitoring: MonitoringConfig = Field(
+        default_factory=MonitoringConfig,
+        description="Metrics, drift detection and alerts (the monitor deployment).",
     )
     num_replicas: int | None = Field(
         default=1, ge=1, description="Fixed replica count (each owns a draft/target pair)."

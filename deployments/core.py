@@ -42,6 +42,7 @@ import torch
 
 from deployments.config import ModelSpec
 from deployments.workers import GIVE_UP, configure_thread, load_runner, worker_info
+from specdec.policy import SpeculationLength
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 from specdec.verify import VerifyRow, sample_next, verify_rows
@@ -76,6 +77,40 @@ class RoundTimings:
         return {**asdict(self), "overhead_s": self.overhead_s}
 
 
+class Telemetry:
+    """Round outcomes kept for the monitor until the frontend drains them (bounded: past
+    ``max_rounds`` sequence-rounds the oldest are dropped and counted, so a monitor that
+    stops draining cannot grow the core's memory)."""
+
+    def __init__(self, max_rounds: int = 100_000):
+        self.max_rounds = max_rounds
+        self.drain()
+
+    def add(self, outcomes, committed, verify_s: float, wait_s: float, total_s: float) -> None:
+        """``outcomes``: (domain, drafted, accepted, cache hit) per drafted row;
+        ``committed``: (domain, tokens) per row."""
+        self.rounds.extend(outcomes)
+        if len(self.rounds) > self.max_rounds:
+            cut = len(self.rounds) - self.max_rounds
+            del self.rounds[:cut]
+            self.dropped += cut
+        for domain, n in committed:
+            self.committed[domain] = self.committed.get(domain, 0) + n
+        if len(self.verify_s) < self.max_rounds:
+            self.verify_s.append(verify_s)
+            self.draft_wait_s.append(wait_s)
+            self.overhead_s.append(max(0.0, total_s - verify_s - wait_s))
+
+    def drain(self) -> dict[str, Any]:
+        out = {
+            k: getattr(self, k, None)
+            for k in ("rounds", "committed", "verify_s", "draft_wait_s", "overhead_s", "dropped")
+        }
+        self.rounds, self.committed, self.dropped = [], {}, 0
+        self.verify_s, self.draft_wait_s, self.overhead_s = [], [], []
+        return out
+
+
 @dataclass
 class _Seq:
     state: SequenceState
@@ -84,6 +119,8 @@ class _Seq:
     guess: tuple[int, ...] = ()  # what the last round committed: the key of the next drafts
     synced: bool = False  # the draft has this sequence's tokens
     base_len: int = 0  # committed tokens before the last round's
+    domain: str = "default"  # the traffic domain (policy and telemetry key)
+    auto: bool = False  # k comes from the length policy, capped at ``k``
     # drafted, accepted, rounds with drafts, cache hits
     stats: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
@@ -220,9 +257,17 @@ class EngineCore:
         draft_timeout_s: float,
         draft_max_model_len: int | None = None,
         transport: str = "actor",
+        length_policy: dict | None = None,
+        telemetry: bool = False,
     ):
         self.spec = ModelSpec.model_validate(spec)
         self.runner = load_runner(self.spec, max_num_seqs)
+        # k per domain and batch size for requests that do not set their own (None: fixed).
+        self.policy = SpeculationLength(**length_policy) if length_policy else None
+        self._forced: int | None = None  # this round's cost-measurement k, if any
+        self._drift: list[tuple[str, float]] = []  # drift alerts for the policy, from calls
+        # Round outcomes for the monitor, drained by the frontend (off the loop's path).
+        self._telemetry = Telemetry() if telemetry else None
         self.max_num_seqs = max_num_seqs
         # Every id that ends a sequence: the tokenizer's and generation_config's (models
         # list several there, e.g. end-of-text and end-of-turn).
@@ -302,6 +347,24 @@ class EngineCore:
         if reset:
             self.timings = RoundTimings()
         return out
+
+    @ray.method(concurrency_group="control")
+    def drain_telemetry(self) -> dict[str, Any] | None:
+        """Round records since the last call, the batch state and the policy's choices."""
+        if self._telemetry is None:
+            return None
+        with self._cv:
+            out = self._telemetry.drain()
+            out["running"] = len(self._running)
+            out["waiting"] = len(self._waiting) + len(self._new)
+            out["policy"] = self.policy.state() if self.policy is not None else {}
+        return out
+
+    @ray.method(concurrency_group="control")
+    def on_drift(self, alerts: list[tuple[str, float]]) -> None:
+        """Drift alerts ``(domain, current alpha)``: the policy takes them next round."""
+        with self._cv:
+            self._drift.extend(alerts)
 
     @ray.method(concurrency_group="control")
     def seq_ids(self) -> dict[str, list]:
@@ -455,13 +518,13 @@ class EngineCore:
         """Start ``batch``'s sequences (all or none) and publish their first tokens."""
         seqs, feeds = [], []
         try:
-            for sid, prompt, output, params, k in batch:
+            for sid, prompt, output, params, k, domain, auto in batch:
                 state = SequenceState(
                     sid, list(prompt), SamplingParams(**params), device=self.runner.device
                 )
                 state.output_token_ids = list(output)
                 self.runner.add(sid)
-                seqs.append(_Seq(state, k))
+                seqs.append(_Seq(state, k, domain=domain, auto=auto and self.policy is not None))
                 # A resumed request already has its newest token: it is fed next round.
                 feeds.append(state.token_ids if not output else state.token_ids[:-1])
             ids = [seq.state.seq_id for seq in seqs]
@@ -516,15 +579,19 @@ class EngineCore:
         self._publish([(sid, [], True, "error", n_out, stats, error, None)])
 
     def _k_for(self, seq: _Seq) -> int:
-        """Draft length for the next round: never past max_tokens or either model's context."""
+        """Draft length for the next round: the request's k or the policy's choice, never
+        past max_tokens or either model's context."""
         if self._draft is None or seq.k <= 0:
             return 0
+        k = seq.k
+        if seq.auto:
+            k = min(k, self.policy.choose(seq.domain, len(self._running), forced=self._forced))
         st = seq.state
         length = len(st.prompt_token_ids) + len(st.output_token_ids)
         return max(
             0,
             min(
-                seq.k,
+                k,
                 st.params.max_tokens - len(st.output_token_ids) - 1,
                 self.runner.max_model_len - length,
                 self.draft_max_model_len - length - 1,
@@ -619,6 +686,7 @@ class EngineCore:
         t_round = time.perf_counter()
         found, waited = self._gather()
         seqs = list(self._running.values())
+        planned = max((seq.k_next for seq in seqs), default=0)  # the k this round costs
         rows, feeds = [], []
         for seq in seqs:
             tokens, q, speculative = found.get(seq.state.seq_id, ([], None, False))
@@ -643,7 +711,10 @@ class EngineCore:
             verify_s if self._verify_avg is None else (0.8 * self._verify_avg + 0.2 * verify_s)
         )
         self._round += 1
+        self._plan_next_round(len(seqs))
         items, freed, outputs = [], [], []
+        outcomes: list[tuple] = []  # (domain, drafted, accepted, cache hit) per drafted row
+        committed: list[tuple[str, int]] = []  # (domain, tokens) per row
         for seq, row in zip(seqs, rows, strict=True):
             st = seq.state
             if st.seq_id not in results:  # failed alone (and freed)
@@ -654,6 +725,9 @@ class EngineCore:
             seq.guess = tuple(tokens[:kept])
             if row.draft_token_ids:
                 seq.stats[1] += a
+                hit = found[st.seq_id][2]
+                outcomes.append((seq.domain, len(row.draft_token_ids), a, hit))
+            committed.append((seq.domain, kept))
             outputs.append(self._output(seq, tokens[:kept], lps and lps[:kept]))
             if st.finished:
                 self._free(st.seq_id)
@@ -667,6 +741,7 @@ class EngineCore:
         tokens = sum(len(out[1]) for out in outputs)
         self._message(self._round, items, freed, time.perf_counter() - t_round, tokens)
         self._publish(outputs)
+        total_s = time.perf_counter() - t_round
         t = self.timings
         t.rounds += 1
         t.rows += len(seqs)
@@ -674,7 +749,25 @@ class EngineCore:
         t.hits += sum(1 for sid in found if found[sid][2])
         t.draft_wait_s += waited
         t.verify_s += verify_s
-        t.total_s += time.perf_counter() - t_round
+        t.total_s += total_s
+        if self.policy is not None:
+            for domain, drafted, a, _hit in outcomes:
+                self.policy.observe_round(domain, drafted, a)
+            self.policy.observe_round_time(len(seqs), planned, total_s)
+        if self._telemetry is not None:
+            with self._cv:
+                self._telemetry.add(outcomes, committed, verify_s, waited, total_s)
+
+    def _plan_next_round(self, batch_size: int) -> None:
+        """Before the next round's draft lengths are chosen: drift alerts that came in,
+        and whether the next round measures the cost of one k (see SpeculationLength)."""
+        if self.policy is None:
+            return
+        with self._cv:
+            alerts, self._drift = self._drift, []
+        for domain, alpha in alerts:
+            self.policy.on_drift(domain, alpha)
+        self._forced = self.policy.plan_round(batch_size)
 
     def _lose_draft(self, draft) -> None:
         """The compiled graph to this draft failed or its reply came too late: decode

@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from deployments.core import EngineCore, RoundTimings
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.placement import placement_for
 from deployments.workers import DraftWorker
+from monitoring.metrics import RequestRecord, RoundBatch, RoundRecord
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger("specserve.engine")
@@ -45,6 +47,16 @@ __all__ = [
 ]
 
 POLL_TIMEOUT_S = 1.0
+MAX_PENDING_RECORDS = 10_000
+CANCELLED = (
+    "GeneratorExit",
+    "CancelledError",
+)  # the client went away  # finished-request records kept while the monitor is away
+
+# (round batch, finished requests, drift cursor) -> ([(domain, current alpha)], new cursor)
+TelemetrySink = Callable[
+    [RoundBatch, list[RequestRecord], int], Awaitable[tuple[list[tuple[str, float]], int]]
+]
 
 
 class EngineError(RuntimeError):
@@ -100,11 +112,13 @@ class _Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    k: int
+    k: int  # the request's draft length, or the policy's cap when ``auto``
     queue: asyncio.Queue
     detok: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    domain: str = "default"
+    auto: bool = False  # the length policy chooses k per round
 
     def core_item(self) -> tuple:
         """What the core needs to start, or resume, this request."""
@@ -114,14 +128,29 @@ class _Request:
             list(self.output_token_ids),
             asdict(self.params),
             self.k,
+            self.domain,
+            self.auto,
         )
 
 
 class SpecEngine:
     """Frontend of one replica's engine: requests in, token streams out (asyncio)."""
 
-    def __init__(self, config: EngineConfig, placement_group=None, tokenizer=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        placement_group=None,
+        tokenizer=None,
+        telemetry: TelemetrySink | None = None,
+        flush_interval_s: float = 1.0,
+        replica: str = "",
+    ):
         self.config = config
+        # Round and request records go to ``telemetry`` (the monitor) every
+        # ``flush_interval_s``, from a task of their own: never from the round's path.
+        self.telemetry, self.flush_interval_s, self.replica = telemetry, flush_interval_s, replica
+        self._request_records: list[RequestRecord] = []
+        self._drift_cursor = 0  # drift alerts seen so far (the monitor numbers them)
         self.placement = placement_for(config)
         self.pg = placement_group
         self.tokenizer = tokenizer  # for text and stop strings (None: token ids only)
@@ -173,6 +202,8 @@ class SpecEngine:
                 cfg.faults.draft_timeout_s,
                 self.draft_info.get("max_model_len", draft_len),
                 cfg.transport,
+                self._length_policy(),
+                self.telemetry is not None,
             )
         )
 
@@ -192,6 +223,13 @@ class SpecEngine:
                 spec.draft_confidence_threshold,
             )
         )
+
+    def _length_policy(self) -> dict[str, Any] | None:
+        spec = self.config.speculation
+        if spec.policy != "goodput" or self.config.draft is None:
+            return None
+        k = spec.num_speculative_tokens
+        return {"max_k": k, "default_k": k, "probe_every": spec.policy_probe_every}
 
     async def _await_ready(self, actor) -> dict[str, Any]:
         return await asyncio.wait_for(
@@ -220,6 +258,8 @@ class SpecEngine:
             await self._connect(self.target, self.draft)
             self._tasks.append(asyncio.create_task(self._watch_draft(self.draft)))
         self._tasks.append(asyncio.create_task(self._poll()))
+        if self.telemetry is not None:
+            self._tasks.append(asyncio.create_task(self._flush_telemetry()))
 
     async def _connect(self, core, draft) -> None:
         await self._call(draft.set_core.remote(core))
@@ -289,8 +329,13 @@ class SpecEngine:
         num_speculative_tokens: int | None = None,
         speculation: bool = True,
         request_id: str | None = None,
+        domain: str = "default",
+        operation: str = "text_completion",
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's output. Cancelling the iterator frees its sequence."""
+        """Stream a request's output. Cancelling the iterator frees its sequence.
+
+        Without ``num_speculative_tokens`` the length policy (``speculation.policy``)
+        chooses k per round for the request's ``domain``, up to the configured k."""
         if self._fatal:
             raise EngineError(self._fatal)
         if not self.ready:
@@ -329,8 +374,11 @@ class SpecEngine:
                 f"num_speculative_tokens must be in [0, {spec.max_speculative_tokens}]",
                 "speculation.num_speculative_tokens",
             )
+        # A seeded request keeps its k: which positions carry drafts changes the draws,
+        # and the policy's choices depend on timing, so its output would not repeat.
+        auto = num_speculative_tokens is None and spec.policy == "goodput" and params.seed is None
         if not speculation or self.config.draft is None:
-            k = 0
+            k, auto = 0, False
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
@@ -339,8 +387,11 @@ class SpecEngine:
             if self.tokenizer is not None
             else None
         )
-        req = _Request(rid, list(prompt_token_ids), params, k, asyncio.Queue(), detok)
+        req = _Request(
+            rid, list(prompt_token_ids), params, k, asyncio.Queue(), detok, domain=domain, auto=auto
+        )
         self._requests[rid] = req
+        t_start, t_first, error_type = time.perf_counter(), None, None
         try:
             try:
                 if not self._replacing_target:  # else the replacement starts it
@@ -353,15 +404,80 @@ class SpecEngine:
                 item = await req.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if t_first is None and item.new_token_ids:
+                    t_first = time.perf_counter()
                 yield item
                 if item.finished:
                     return
+        except BaseException as exc:
+            if not req.finished or not isinstance(exc, GeneratorExit):  # else: closed at its end
+                error_type = type(exc).__name__
+            raise
         finally:
+            self._record_request(req, operation, t_start, t_first, error_type)
             self._requests.pop(rid, None)
             if not req.finished:
                 req.finished = True
                 self.aborted += 1
                 self._abort([rid])
+
+    def _record_request(self, req: _Request, operation, t_start, t_first, error_type) -> None:
+        if self.telemetry is None or len(self._request_records) >= MAX_PENDING_RECORDS:
+            return
+        now = time.perf_counter()
+        self._request_records.append(
+            RequestRecord(
+                model=self.config.model_name,
+                replica=self.replica,
+                domain=req.domain,
+                operation=operation,
+                time_to_first_token_s=None if t_first is None else t_first - t_start,
+                duration_s=now - t_start,
+                output_tokens=len(req.output_token_ids),
+                error_type="cancelled" if error_type in CANCELLED else error_type,
+            )
+        )
+
+    async def _flush_telemetry(self) -> None:
+        """Every ``flush_interval_s``: drain the core's round records, send them with the
+        finished requests' records to the monitor, and hand new drift alerts to the
+        core's length policy. A monitor that fails or is slow costs records, never a
+        round: the loop only appended to a list."""
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            try:
+                drained = await self._call(self.target.drain_telemetry.remote())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a target being replaced: the poller handles it
+                logger.debug("no telemetry from the core: %r", exc)
+                continue
+            requests, self._request_records = self._request_records, []
+            batch = RoundBatch(
+                model=self.config.model_name,
+                replica=self.replica,
+                rounds=[RoundRecord(*r) for r in drained["rounds"]],
+                verify_s=drained["verify_s"],
+                draft_wait_s=drained["draft_wait_s"],
+                overhead_s=drained["overhead_s"],
+                committed=drained["committed"],
+                running=drained["running"],
+                waiting=drained["waiting"],
+                policy=drained["policy"],
+            )
+            try:
+                alerts, self._drift_cursor = await asyncio.wait_for(
+                    self.telemetry(batch, requests, self._drift_cursor),
+                    timeout=self.config.faults.call_timeout_s,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("the monitor did not take telemetry: %r", exc)
+                continue
+            if alerts:
+                with contextlib.suppress(Exception):
+                    await self._call(self.target.on_drift.remote(alerts))
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:

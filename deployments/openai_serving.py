@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -33,6 +33,7 @@ from deployments.protocol import (
     SpeculationReport,
     Usage,
 )
+from monitoring.domains import DomainResolver
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger("specserve.openai")
@@ -115,6 +116,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = config.engine.model_name
         self.chat_stop_ids = end_of_turn_ids(tokenizer)
+        self.domains = DomainResolver(config.monitoring)
 
     # ----- health -------------------------------------------------------------------------
 
@@ -266,9 +268,12 @@ class OpenAIServing:
         k = args["num_speculative_tokens"]
         enabled = args["speculation"] and self.engine.config.draft is not None
         default_k = self.config.engine.speculation.num_speculative_tokens
+        policy = self.config.engine.speculation.policy if enabled and k is None else "fixed"
         return SpeculationReport(
             enabled=enabled,
             num_speculative_tokens=(default_k if k is None else k) if enabled else 0,
+            policy=policy,
+            domain=args.get("domain", "default"),
             drafted=s.drafted if s else 0,
             accepted=s.accepted if s else 0,
             acceptance_rate=round(s.acceptance_rate, 4) if s else 0.0,
@@ -329,7 +334,7 @@ class OpenAIServing:
     def _public(acc: dict[str, list]) -> dict[str, list]:
         return {k: v for k, v in acc.items() if not k.startswith("_")}
 
-    async def create(self, req, chat: bool):
+    async def create(self, req, chat: bool, headers: Mapping[str, str] | None = None):
         self.check_ready()  # before anything reads the target's facts
         if chat:
             prompt_ids = self.encode_chat(req)
@@ -350,6 +355,8 @@ class OpenAIServing:
                     )
         params = self.sampling_params(req, len(prompt_ids), chat)
         args = self.speculation_args(req)
+        args["domain"] = self.domains.resolve(req.user, req.metadata, headers)
+        args["operation"] = "chat" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         gen = self._run(prompt_ids, params, args)
         try:  # start before the response does, so that errors become proper statuses

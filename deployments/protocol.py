@@ -217,7 +217,14 @@ class SpeculationReport(BaseModel):
     """What speculation did for this request (SpecServe extension)."""
 
     enabled: bool = Field(description="Whether drafts were used.")
-    num_speculative_tokens: int = Field(description="Draft length k used.")
+    num_speculative_tokens: int = Field(
+        description="Draft length k: the request's own, else the most the policy may choose."
+    )
+    policy: str = Field(
+        default="fixed",
+        description="'goodput': k was chosen per round for the request's domain; 'fixed'.",
+    )
+    domain: str = Field(default="default", description="The traffic domain it counted for.")
     drafted: int = Field(description="Draft tokens proposed.")
     accepted: int = Field(description="Draft tokens accepted by the target.")
     acceptance_rate: float = Field(description="accepted / drafted.")

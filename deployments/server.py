@@ -119,12 +119,12 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
     # ----- routes ---------------------------------------------------------------------------
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
-    async def completions(req: CompletionRequest):
-        return await serving.create(req, chat=False)
+    async def completions(req: CompletionRequest, request: Request):
+        return await serving.create(req, chat=False, headers=request.headers)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
-    async def chat_completions(req: ChatCompletionRequest):
-        return await serving.create(req, chat=True)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await serving.create(req, chat=True, headers=request.headers)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
     async def models():

@@ -46,6 +46,7 @@ class RoundBatch:
     committed: dict[str, int] = field(default_factory=dict)  # domain -> tokens committed
     running: int = 0
     waiting: int = 0
+    policy: dict[str, dict] = field(default_factory=dict)  # domain -> {"k", "alpha"}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 
 from monitoring.drift import DriftConfig, DriftEvent, DriftMonitor
 from monitoring.metrics import RequestRecord, RoundBatch, SpecServeMetrics
+from specdec.speedup import break_even_alpha
 
 logger = logging.getLogger("specserve.monitor")
 
@@ -39,18 +40,25 @@ class Monitor:
         meter_provider: MeterProvider,
         logger_provider: LoggerProvider,
         drift: DriftConfig | None = None,
-        on_drift: Callable[[DriftEvent], None] | None = None,
+        on_drift: Callable[[DriftEvent, str], object] | None = None,
     ):
         self.meter_provider, self.logger_provider = meter_provider, logger_provider
         self.metrics = SpecServeMetrics(meter_provider.get_meter(SCOPE))
         self.otel_logger = logger_provider.get_logger(SCOPE)
         self.detector = DriftMonitor(drift)
-        self.on_drift = on_drift  # e.g. the policy's reaction (k for the domain)
-        self.events: list[DriftEvent] = []  # every alert change, newest last
+        self.on_drift = on_drift  # e.g. a direct push to Alertmanager
+        self.events: list[DriftEvent] = []  # alert changes, newest last (the last MAX_EVENTS)
+        self._events_before = 0  # alert changes dropped from the front of ``events``
+
+    MAX_EVENTS = 1000
 
     def report(self, batch: RoundBatch) -> list[DriftEvent]:
         """Record one replica flush; returns the drift alerts it started or resolved."""
         self.metrics.record_rounds(batch)
+        for domain, choice in batch.policy.items():
+            k = choice.get("k")
+            if k is not None:
+                self.metrics.set_policy(batch.model, domain, k, self._break_even(k))
         rounds = [r for r in batch.rounds if r.drafted > 0]
         if not rounds:
             return []
@@ -64,9 +72,26 @@ class Monitor:
     def report_request(self, record: RequestRecord) -> None:
         self.metrics.record_request(record)
 
+    def alerts_since(self, cursor: int) -> tuple[list[tuple[str, float]], int]:
+        """Alert changes after the ``cursor``-th, as ``(domain, current alpha)`` for the
+        replicas' length policies (a fire and a resolve both carry the latest estimate),
+        and the new cursor. A replica that fell more than MAX_EVENTS behind gets the
+        latest ones."""
+        start = max(0, cursor - self._events_before)
+        new = self.events[start:]
+        return [(e.domain, e.current) for e in new], self._events_before + len(self.events)
+
+    def _break_even(self, k: int) -> float:
+        """Break-even acceptance at ``k`` from the detector's current costs (0 at k = 0)."""
+        cfg = self.detector.config
+        return break_even_alpha(k, cfg.cost_ratio, cfg.verify_ratio) if k >= 1 else 0.0
+
     def _alert(self, model: str, event: DriftEvent) -> None:
         firing = event.kind == "fire"
         self.events.append(event)
+        if len(self.events) > self.MAX_EVENTS:
+            del self.events[0]
+            self._events_before += 1
         self.metrics.set_drift(model, event.domain, firing, event.baseline)
         attrs = {k: v for k, v in asdict(event).items() if v is not None}
         attrs = {f"specserve.{k}": v for k, v in attrs.items()}
@@ -83,7 +108,7 @@ class Monitor:
         )
         (logger.warning if firing else logger.info)("%s %s", DRIFT_EVENT, attrs)
         if self.on_drift is not None:
-            self.on_drift(event)
+            self.on_drift(event, model)
 
     def acknowledge(self, domain: str) -> None:
         """An operator accepts the new level: the domain learns a new baseline."""
@@ -98,10 +123,16 @@ class Monitor:
         self.logger_provider.shutdown()
 
 
-def build_providers(prometheus_port: int | None, cardinality_limit: int = 2000):
+def build_providers(
+    prometheus_port: int | None,
+    cardinality_limit: int = 2000,
+    host: str = "0.0.0.0",
+    otlp_endpoint: str | None = None,
+):
     """Providers for the monitor deployment: a Prometheus endpoint on ``prometheus_port``
     (its own registry, so nothing else in the process leaks into it) and OTLP push of
-    metrics and logs when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set. Past
+    metrics and logs to ``otlp_endpoint`` (a base URL; ``/v1/metrics`` and ``/v1/logs`` are
+    appended) or, without it, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set. Past
     ``cardinality_limit`` label sets per instrument the SDK folds new ones into one
     overflow series (``otel.metric.overflow=true``), so unbounded domains cannot explode
     the series count. Returns ``(meter_provider, logger_provider, registry)``."""
@@ -116,13 +147,16 @@ def build_providers(prometheus_port: int | None, cardinality_limit: int = 2000):
 
         registry = CollectorRegistry()
         readers.append(PrometheusMetricReader(registry=registry))
-        start_http_server(prometheus_port, addr="0.0.0.0", registry=registry)
+        start_http_server(prometheus_port, addr=host, registry=registry)
     logger_provider = LoggerProvider()
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    if otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-        logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
+        base = otlp_endpoint.rstrip("/") if otlp_endpoint else None
+        metrics = OTLPMetricExporter(endpoint=base and f"{base}/v1/metrics")
+        logs = OTLPLogExporter(endpoint=base and f"{base}/v1/logs")
+        readers.append(PeriodicExportingMetricReader(metrics))
+        logger_provider.add_log_record_processor(BatchLogRecordProcessor(logs))
     views = [View(instrument_name="*", aggregation_cardinality_limit=cardinality_limit)]
     return MeterProvider(metric_readers=readers, views=views), logger_provider, registry

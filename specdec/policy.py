@@ -1,7 +1,7 @@
 """Speculation policies: pure decisions the draft and the engine core consult each round.
 
-:class:`SpeculationLength` chooses the draft length k per domain and batch size from
-measured acceptance and costs (below).
+:class:`SpeculationLength` (the engine core) chooses the draft length k per domain and
+batch size from measured acceptance and round costs (below).
 
 :class:`SpeculationWidth` decides how many outcomes the draft prepares per round while
 the target verifies. Branches are free only while they finish before verification does:
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.speedup import best_k
+from specdec.speedup import expected_tokens_per_round
 
 
 def batch_bucket(num_seqs: int) -> int:
@@ -169,9 +169,9 @@ class _Domain:
 
     accepted: float = 0.0  # A: accepted draft tokens
     rejections: float = 0.0  # R: rounds that ended in a rejection
-    choices: int = 0  # rounds this domain was asked about
-    disabled_at: int | None = None  # its choice count when k = 0 was chosen
-    probe_left: int = 0  # probe rounds still to run
+    disabled_at: int | None = None  # the engine round when k = 0 was chosen
+    probe_until: int = 0  # its rows run at probe_k until this engine round
+    k: int | None = None  # the last choice (for the gauges)
 
     @property
     def tokens(self) -> float:
@@ -181,64 +181,77 @@ class _Domain:
         return self.accepted / self.tokens
 
 
+@dataclass
+class _Costs:
+    """Measured critical-path round time of one batch-size bucket, per draft length."""
+
+    seconds: dict[int, float] = field(default_factory=dict)  # k -> decayed mean round time
+    count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
+    last: dict[int, int] = field(default_factory=dict)  # k -> round number of the last one
+    rounds: int = 0  # rounds planned in this bucket
+    forced: int | None = None  # the k a measurement runs at
+    forced_left: int = 0
+
+
 class SpeculationLength:
     """The draft length k per domain and batch size, chosen for goodput (pure).
 
     Acceptance alone cannot decide whether to speculate: with acceptance flat, the best k
-    falls to 0 as the batch grows because verification stops being memory-bound (on GPUs
-    and on CPUs alike). So k maximises predicted committed tokens per second,
-    ``E(k) / (k·T_d(b) + T_v(b, k + 1))`` (:func:`specdec.speedup.best_k`), from
+    falls to 0 as the batch grows (verification stops being memory-bound, and on a shared
+    host the draft competes with the target for cores). So the policy predicts committed
+    tokens per second of a row, ``E(α̂, k) / T(b, k)``, and takes the best k, where
 
-    * ``α̂ = A / (A + R)`` per domain (decayed counts of accepted tokens and of rounds that
-      hit a rejection: independent of k, unlike accepted/drafted), and
-    * the measured costs of the batch size's bucket: a draft step, and verification at
-      each number of positions per row seen so far (others interpolated linearly, or
-      scaled from the nearest measured point).
+    * ``α̂ = A / (A + R)`` per domain: decayed counts of accepted tokens and of rounds that
+      hit a rejection (independent of k, unlike accepted/drafted), and
+      ``E(α, k) = (1 - α^(k+1)) / (1 - α)`` tokens per round;
+    * ``T(b, k)``: the measured critical-path time of engine rounds in the batch-size
+      bucket of ``b`` whose longest draft was k (verification, waiting for drafts and
+      every overhead: what the pipeline really costs, overlap and contention included),
+      interpolated linearly in k between measured lengths.
 
-    ``k = 0`` when no k is predicted to pay. A disabled domain is re-probed with
-    ``probe_k`` for ``probe_rounds`` rounds every ``probe_every`` choices, so a domain
-    whose traffic recovers gets speculation back while a losing one costs at most
-    ``probe_rounds / probe_every`` of its rounds. A drift alert (:meth:`on_drift`)
-    replaces the domain's history with the detector's recent estimate, so the next
-    choice already reflects it. A request that sets its own k is not asked about.
+    Rounds are measured as they come; in each bucket a few rounds are run at each of
+    ``k = 0``, 1 and ``max_k`` first (every policy-driven row of the round at that k,
+    :meth:`plan_round`) and again every ``remeasure_every`` rounds, so that the costs of
+    the choices not taken stay current. ``k = 0`` wins when no k is predicted to pay. A
+    disabled domain is re-probed with ``probe_k`` for ``probe_rounds`` engine rounds every
+    ``probe_every``, so a domain whose traffic recovers gets speculation back
+    while a losing one costs at most ``probe_rounds / probe_every`` of its rounds. A drift
+    alert (:meth:`on_drift`) replaces the domain's history with the detector's recent
+    estimate, so the next choice already reflects it. A request that sets its own k is
+    not asked about.
     """
 
     def __init__(
         self,
         max_k: int,
-        default_k: int,
+        default_k: int | None = None,
         *,
-        decay: float = 0.995,
-        min_tokens: float = 32.0,
-        probe_every: int = 256,
-        probe_rounds: int = 8,
+        decay: float = 0.98,
+        min_tokens: float = 24.0,
+        cost_decay: float = 0.8,
+        explore_rounds: int = 3,
+        remeasure_every: int = 256,
+        probe_every: int = 128,
+        probe_rounds: int = 4,
         probe_k: int = 1,
-        cost_decay: float = 0.9,
     ):
-        if not 0 <= default_k <= max_k or probe_k < 1 or probe_every < probe_rounds:
+        default_k = max_k if default_k is None else default_k
+        if not 0 <= default_k <= max_k or probe_every < probe_rounds or explore_rounds < 1:
             raise ValueError(
-                "need 0 <= default_k <= max_k, probe_k >= 1, probe_every >= probe_rounds"
+                "need 0 <= default_k <= max_k, probe_every >= probe_rounds, explore_rounds >= 1"
             )
         self.max_k, self.default_k = max_k, default_k
         self.decay, self.min_tokens, self.cost_decay = decay, min_tokens, cost_decay
-        self.probe_every, self.probe_rounds, self.probe_k = probe_every, probe_rounds, probe_k
+        self.explore_rounds, self.remeasure_every = explore_rounds, remeasure_every
+        self.probe_every, self.probe_rounds = probe_every, probe_rounds
+        self.probe_k = min(max(1, probe_k), max(1, max_k))
+        # The lengths every bucket measures: the two ends and one draft token.
+        self.anchors = sorted({0, min(1, max_k), max_k})
         self._domains: dict[str, _Domain] = {}
-        self._verify: dict[tuple[int, int], float] = {}  # (bucket, positions) -> seconds
-        self._draft: dict[int, float] = {}  # bucket -> seconds per draft step
+        self._costs: dict[int, _Costs] = {}
+        self._round = 0  # engine rounds planned (probing runs on this clock)
 
     # ----- observations -------------------------------------------------------------------
-
-    def _ewma(self, table: dict, key, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else self.cost_decay * old + (1 - self.cost_decay) * value
-
-    def observe_verify(self, batch_size: int, positions: int, seconds: float) -> None:
-        """A target pass over ``batch_size`` rows of ``positions`` tokens each took this."""
-        self._ewma(self._verify, (batch_bucket(batch_size), positions), seconds)
-
-    def observe_draft_step(self, batch_size: int, seconds: float) -> None:
-        """One draft forward step over ``batch_size`` rows took this."""
-        self._ewma(self._draft, batch_bucket(batch_size), seconds)
 
     def observe_round(self, domain: str, drafted: int, accepted: int) -> None:
         """One sequence's round: ``accepted`` of ``drafted`` drafts (a rejection if fewer)."""
@@ -248,11 +261,25 @@ class SpeculationLength:
         d.accepted = self.decay * d.accepted + accepted
         d.rejections = self.decay * d.rejections + (1.0 if accepted < drafted else 0.0)
 
+    def observe_round_time(self, batch_size: int, k: int, seconds: float) -> None:
+        """An engine round over ``batch_size`` rows whose longest draft was ``k`` took
+        ``seconds`` on the critical path (drafts waited for, verification, overhead)."""
+        if seconds <= 0 or not 0 <= k <= self.max_k:
+            return
+        c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
+        old = c.seconds.get(k)
+        c.seconds[k] = (
+            seconds if old is None else (self.cost_decay * old + (1 - self.cost_decay) * seconds)
+        )
+        c.count[k] = c.count.get(k, 0) + 1
+        c.last[k] = c.rounds
+
     def on_drift(self, domain: str, current_alpha: float, weight: float | None = None) -> None:
         """A drift alert: forget the domain's history in favour of the recent estimate."""
         d = self._domains.setdefault(domain, _Domain())
         w = self.min_tokens if weight is None else weight
         d.accepted, d.rejections = current_alpha * w, (1.0 - current_alpha) * w
+        d.probe_until = 0
 
     def alpha(self, domain: str) -> float | None:
         d = self._domains.get(domain)
@@ -260,48 +287,96 @@ class SpeculationLength:
 
     # ----- the decision -------------------------------------------------------------------
 
-    def _verify_fn(self, bucket: int):
-        measured = sorted((n, t) for (b, n), t in self._verify.items() if b == bucket)
-        if not measured:
+    def plan_round(self, batch_size: int) -> int | None:
+        """Call once per engine round, before :meth:`choose`: the k every policy-driven row
+        runs at this round when it is a cost measurement, else None."""
+        self._round += 1
+        c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
+        c.rounds += 1
+        if c.forced_left <= 0:
+            c.forced = None
+            stale = [
+                k
+                for k in self.anchors
+                if c.count.get(k, 0) < self.explore_rounds
+                or c.rounds - c.last.get(k, 0) > self.remeasure_every
+            ]
+            if stale:
+                c.forced = stale[0]
+                c.forced_left = max(1, self.explore_rounds - c.count.get(c.forced, 0))
+        if c.forced is None:
             return None
+        c.forced_left -= 1
+        return c.forced
 
-        def verify(n: int) -> float:
-            below = [(m, t) for m, t in measured if m <= n]
-            above = [(m, t) for m, t in measured if m >= n]
-            if below and above:
-                (n0, t0), (n1, t1) = below[-1], above[0]
-                return t0 if n1 == n0 else t0 + (t1 - t0) * (n - n0) / (n1 - n0)
-            m, t = below[-1] if below else above[0]
-            return t * n / m if n > m else t  # past the data: cost grows with positions
-
-        return verify
+    def round_time(self, batch_size: int, k: int) -> float | None:
+        """Predicted round time at draft length k (None until the bucket has data)."""
+        c = self._costs.get(batch_bucket(batch_size))
+        if c is None or not c.seconds:
+            return None
+        if k in c.seconds:
+            return c.seconds[k]
+        drafted = sorted((m, t) for m, t in c.seconds.items() if m > 0)
+        if k == 0 or not drafted:
+            return None
+        below = [(m, t) for m, t in drafted if m < k]
+        above = [(m, t) for m, t in drafted if m > k]
+        if below and above:
+            (k0, t0), (k1, t1) = below[-1], above[0]
+            return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        return (below or above)[-1 if below else 0][1]  # past the data: the nearest
 
     def predicted_k(self, domain: str, batch_size: int) -> int:
         """The goodput-maximising k from what is measured (``default_k`` until then)."""
         alpha = self.alpha(domain)
-        bucket = batch_bucket(batch_size)
-        verify = self._verify_fn(bucket)
-        if alpha is None or verify is None or bucket not in self._draft:
+        t0 = self.round_time(batch_size, 0)
+        if alpha is None or t0 is None:
             return self.default_k
-        return best_k(alpha, self._draft[bucket], verify, self.max_k)[0]
+        best, best_rate = 0, 1.0 / t0
+        for k in range(1, self.max_k + 1):
+            t = self.round_time(batch_size, k)
+            if t is None:
+                continue
+            rate = expected_tokens_per_round(alpha, k) / t
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
-    def choose(self, domain: str, batch_size: int, requested: int | None = None) -> int:
-        """k for one sequence's next round; ``requested`` (the request's own k) wins."""
+    def choose(
+        self,
+        domain: str,
+        batch_size: int,
+        requested: int | None = None,
+        forced: int | None = None,
+    ) -> int:
+        """k for one sequence's next round; ``requested`` (the request's own k) wins, then
+        ``forced`` (this round's measurement, from :meth:`plan_round`)."""
         if requested is not None:
             return requested
         d = self._domains.setdefault(domain, _Domain())
-        d.choices += 1
-        if d.probe_left > 0:
-            d.probe_left -= 1
+        if forced is not None:
+            return forced
+        if self._round < d.probe_until:
+            d.k = self.probe_k
             return self.probe_k
         k = self.predicted_k(domain, batch_size)
+        d.k = k
         if k > 0:
             d.disabled_at = None
             return k
         if d.disabled_at is None:
-            d.disabled_at = d.choices
-        elif d.choices - d.disabled_at >= self.probe_every:
-            d.disabled_at = d.choices
-            d.probe_left = self.probe_rounds - 1
+            d.disabled_at = self._round
+        elif self._round - d.disabled_at >= self.probe_every:
+            d.disabled_at = self._round
+            d.probe_until = self._round + self.probe_rounds
+            d.k = self.probe_k
             return self.probe_k
         return 0
+
+    def state(self) -> dict[str, dict]:
+        """Per domain: the last chosen k and α̂ (for the gauges and stats)."""
+        return {
+            name: {"k": d.k, "alpha": self.alpha(name)}
+            for name, d in self._domains.items()
+            if d.k is not None
+        }

@@ -3,9 +3,12 @@ models (GPT-2 has learned absolute position embeddings and a small context limit
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -106,3 +109,34 @@ def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
     path = tmp_path_factory.mktemp("gpt2-draft")
     model.save_pretrained(path)
     return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    if ray.is_initialized():
+        ray.shutdown()
+    # Logical CPUs: the workers reserve resources; the machine's 2 cores are shared.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_local):
+    """Ray Serve's HTTP proxy on a free loopback port; yields the base URL."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

@@ -46,6 +46,8 @@ def config(target, draft, **kw):
         "faults": {"restart_timeout_s": 60},
     }
     base.update(kw)
+    # These tests are about the pipeline at a known k; the length policy has its own.
+    base["speculation"] = {"policy": "fixed", **base.get("speculation", {})}
     return EngineConfig.model_validate(base)
 
 
@@ -421,8 +423,8 @@ def test_a_failing_request_fails_alone_and_leaks_nothing(
         await asyncio.sleep(0.05)
         await engine.target.add_requests.remote(
             [
-                ("bad-token", [5, 10**6, 7], [], greedy, 3),
-                ("past-context", list(range(3, 90)) * 5 + [4] * 60, [], greedy, 3),
+                ("bad-token", [5, 10**6, 7], [], greedy, 3, "default", False),
+                ("past-context", [*range(3, 90)] * 5 + [4] * 60, [], greedy, 3, "d", False),
             ]
         )
         results = await asyncio.gather(*normal)
@@ -456,7 +458,10 @@ def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
             await collect(engine, PROMPTS[1], GREEDY, request_id="same")
         with pytest.raises(ray.exceptions.RayTaskError, match="already in use"):
             await engine.target.add_requests.remote(
-                [("twice", [5], [], {"max_tokens": 4}, 0), ("twice", [6], [], {"max_tokens": 4}, 0)]
+                [
+                    ("twice", [5], [], {"max_tokens": 4}, 0, "default", False),
+                    ("twice", [6], [], {"max_tokens": 4}, 0, "default", False),
+                ]
             )
         return await first
 
@@ -646,3 +651,60 @@ def test_draft_vocabulary_mismatch_is_a_startup_error(ray_local, tiny_target, tm
 
     engine = asyncio.run(start())
     assert engine.status == "unavailable"
+
+
+def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
+    ray_local, tiny_target, tiny_draft, reference
+):
+    """The goodput policy picks k per round (0..4, cost measurements included): greedy
+    output stays the target's; the engine's telemetry reaches its sink with the rounds,
+    the policy's choices and the finished requests; a drift alert sent to the core turns
+    the domain's speculation off (alpha 0: no k pays) from the next rounds on."""
+    cfg = config(
+        tiny_target,
+        tiny_draft,
+        speculation={"policy": "goodput", "policy_probe_every": 100_000},
+    )
+    batches, records = [], []
+
+    async def sink(batch, requests, cursor):  # the monitor's role: collect what arrives
+        batches.append(batch)
+        records.extend(requests)
+        return [], cursor
+
+    async def body(engine):
+        jobs = [
+            collect(engine, p, GREEDY, domain="a" if i % 2 else "b")
+            for i, p in enumerate(PROMPTS[:6])
+        ]
+        results = await asyncio.gather(*jobs)
+        await asyncio.sleep(0.5)  # one more flush
+        await engine.target.on_drift.remote([("a", 0.0)])
+        after = [await collect(engine, p, GREEDY, domain="a") for p in PROMPTS[:6]]
+        await asyncio.sleep(0.5)
+        return results, after
+
+    async def run():
+        engine = SpecEngine(cfg, telemetry=sink, flush_interval_s=0.2, replica="r")
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    results, after = asyncio.run(run())
+    for p, (tokens, _last) in zip(PROMPTS[:6], results, strict=True):
+        assert tokens == reference[tuple(p)]
+    rounds = [r for b in batches for r in b.rounds]
+    assert {r.domain for r in rounds} == {"a", "b"}
+    assert all(0 <= r.accepted <= r.drafted <= 4 for r in rounds)
+    choices = [b.policy for b in batches if b.policy]
+    assert choices and {"a", "b"} <= set().union(*choices)
+    assert all(0 <= c["k"] <= 4 for p in choices for c in p.values())
+    assert sum(b.committed.get("a", 0) + b.committed.get("b", 0) for b in batches) > 0
+    assert len(records) == 8 and all(r.replica == "r" and r.error_type is None for r in records)
+    assert all(r.time_to_first_token_s <= r.duration_s for r in records)
+    # After the alert: domain "a" stops drafting (forced cost measurements aside).
+    for p, (tokens, _last) in zip(PROMPTS[:6], after, strict=True):
+        assert tokens == reference[tuple(p)]
+    assert [b.policy for b in batches if b.policy][-1]["a"]["k"] == 0

@@ -170,6 +170,7 @@ def engine_run(ray_local, tiny_target, tiny_draft):
             "faults": {"restart_timeout_s": 60},
             "speculation": {
                 "mode": "overlap",
+                "policy": "fixed",
                 "num_speculative_tokens": K,
                 "speculation_width": 4,
                 "adaptive_overlap": False,  # tiny models: keep speculating so hits happen

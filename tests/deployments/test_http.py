@@ -22,9 +22,10 @@ from deployments.config import AppConfig
 from specdec.generate import generate_autoregressive
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
-from tests.conftest import DEMO_DRAFT, DEMO_TARGET, ROOT
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET, ROOT, free_port
 
 MODEL = "demo-target"
+METRICS_PORT = free_port()
 PROMPT = "import os\n\ndef read_config(path):\n"
 
 
@@ -35,7 +36,7 @@ def engine_args(**kw):
         "engine_resources": {"num_cpus": 0.5},
         "target_resources": {"num_cpus": 1},
         "draft_resources": {"num_cpus": 1},
-        "speculation": {"num_speculative_tokens": 4},
+        "speculation": {"num_speculative_tokens": 4, "policy": "fixed"},
     }
     args.update(kw)
     return args
@@ -49,7 +50,14 @@ def deploy(name, prefix, **app_kw):
 @pytest.fixture(scope="module")
 def base_url(serve_http):
     # Two replicas, each with its own draft/target pair in its own placement group.
-    deploy("SpecServe", "/", engine=engine_args(), num_replicas=2, max_body_bytes=20_000)
+    deploy(
+        "SpecServe",
+        "/",
+        engine=engine_args(),
+        num_replicas=2,
+        max_body_bytes=20_000,
+        monitoring={"prometheus_port": METRICS_PORT, "prometheus_host": "127.0.0.1"},
+    )
     yield serve_http
     serve.delete("SpecServe")
 
@@ -281,6 +289,7 @@ def secure_url(serve_http):
         "/secure",
         engine=engine_args(draft=None, faults={"max_target_restarts": 0}),
         api_key="sekret",
+        monitoring={"enabled": False},
     )
     yield f"{serve_http}/secure"
     serve.delete("Secure")

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.deployments.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port
 
 
 def test_serve_deploy_demo_yaml(two_node_cluster, tmp_path):
@@ -16,7 +16,9 @@ def test_serve_deploy_demo_yaml(two_node_cluster, tmp_path):
     serve_cli = str(Path(sys.executable).parent / "serve")
     config = yaml.safe_load((ROOT / "cluster" / "serve" / "demo.yaml").read_text())
     port = free_port()
-    config["http_options"]["port"] = port  # the only change: a free port for the test
+    config["http_options"]["port"] = port  # the only changes: free ports for the test
+    args = config["applications"][0]["args"]
+    args["monitoring"] = {**args.get("monitoring", {}), "prometheus_port": free_port()}
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
     subprocess.run(

@@ -22,7 +22,11 @@ def serve_engine(serve_http, tiny_target, tiny_draft):
         }
     )
     handle = serve.run(
-        build_specserve_app(config=AppConfig(engine=cfg)), name="engine-test", route_prefix=None
+        build_specserve_app(
+            config=AppConfig(engine=cfg, monitoring={"prometheus_port": None}), name="engine-test"
+        ),
+        name="engine-test",
+        route_prefix=None,
     )
     yield handle
     serve.delete("engine-test")

@@ -115,6 +115,35 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     assert attrs["specserve.baseline"] == pytest.approx(0.75, abs=0.03)
     assert attrs["specserve.current"] < 0.6
     assert {"specserve.rounds", "specserve.break_even"} <= set(attrs)
+    # What replicas learn: each alert change once, in order, with the latest estimate.
+    alerts, cursor = mon.alerts_since(0)
+    assert [d for d, _ in alerts] == ["python", "python"] and cursor == 2
+    assert alerts[0][1] == pytest.approx(mon.events[0].current)
+    assert mon.alerts_since(cursor) == ([], 2)
+
+
+def test_policy_choices_become_gauges(monitor):
+    mon, reader, _ = monitor
+    mon.report(batch([], policy={"python": {"k": 3, "alpha": 0.8}, "prose": {"k": 0}}))
+    k = points(reader, "specserve.speculation.k")
+    on = points(reader, "specserve.speculation.enabled")
+    key = frozenset({"model": "demo-target", "domain": "prose"}.items())
+    assert k[key] == 0 and on[key] == 0
+    key = frozenset({"model": "demo-target", "domain": "python"}.items())
+    assert k[key] == 3 and on[key] == 1
+
+
+def test_core_telemetry_is_bounded_and_drains():
+    from deployments.core import Telemetry
+
+    t = Telemetry(max_rounds=5)
+    for i in range(4):
+        t.add([("d", 4, i % 5, False), ("e", 4, 4, True)], [("d", 2), ("e", 5)], 0.01, 0.0, 0.012)
+    out = t.drain()
+    assert len(out["rounds"]) == 5 and out["dropped"] == 3
+    assert out["committed"] == {"d": 8, "e": 20}
+    assert out["overhead_s"] == [pytest.approx(0.002)] * 4
+    assert t.drain()["rounds"] == []
 
 
 def gauge_value(reader, domain):

@@ -62,11 +62,11 @@ def test_width_follows_overruns():
     assert policy.width == 4
 
 
-def _costs(policy, batch_size, draft_s, verify):
-    """Feed measured costs: ``verify(batch, positions)`` seconds for 1..max_k + 1 positions."""
-    for n in range(1, policy.max_k + 2):
-        policy.observe_verify(batch_size, n, verify(batch_size, n))
-    policy.observe_draft_step(batch_size, draft_s)
+def _costs(policy, batch_size, cost, rounds=4):
+    """Feed measured round times: ``cost(batch, k)`` seconds for every k in 0..max_k."""
+    for k in range(policy.max_k + 1):
+        for _ in range(rounds):
+            policy.observe_round_time(batch_size, k, cost(batch_size, k))
 
 
 def _feed(policy, domain, alpha, rounds, k=4, seed=0):
@@ -78,16 +78,23 @@ def _feed(policy, domain, alpha, rounds, k=4, seed=0):
         policy.observe_round(domain, k, a)
 
 
+def memory_bound(b, k):  # verification barely grows with k; each draft step costs 10 %
+    return 1.0 + 0.02 * (k + 1) + 0.1 * k
+
+
 def test_length_follows_acceptance_and_turns_off_when_nothing_pays():
     policy = SpeculationLength(max_k=8, default_k=4)
-    _costs(policy, 1, draft_s=0.1, verify=lambda b, n: 1.0 + 0.02 * n)  # memory-bound
     assert policy.predicted_k("code", 1) == 4  # nothing measured yet: the default
+    _costs(policy, 1, memory_bound)
+    assert policy.predicted_k("code", 1) == 4  # no acceptance measured yet
     _feed(policy, "code", 0.9, 400)
-    _feed(policy, "prose", 0.1, 400)
+    _feed(policy, "prose", 0.02, 400)
     assert policy.alpha("code") == pytest.approx(0.9, abs=0.05)
     assert policy.choose("code", 1) >= 5
     assert policy.choose("prose", 1) == 0
     assert policy.choose("prose", 1, requested=3) == 3  # a request's own k wins
+    assert policy.choose("prose", 1, forced=2) == 2  # a cost measurement runs at its k
+    assert policy.state()["prose"]["k"] == 0
 
 
 def test_length_falls_with_batch_size_at_constant_acceptance():
@@ -95,27 +102,92 @@ def test_length_falls_with_batch_size_at_constant_acceptance():
     at batch 1 stops paying at batch 32 (the flip measured over HTTP: 1.51x at 1, 0.87x at 16)."""
     policy = SpeculationLength(max_k=8, default_k=4)
 
-    def verify(b, n):  # fixed cost + work proportional to the tokens in the pass
-        return 1.0 + 0.1 * b * n
+    def cost(b, k):  # fixed cost + work proportional to the tokens in the pass + drafting
+        return 1.0 + 0.1 * b * (k + 1) + 0.08 * (1 + 0.1 * b) * k
 
     for b in (1, 4, 32):
-        _costs(policy, b, draft_s=0.08 * (1 + 0.1 * b), verify=verify)
+        _costs(policy, b, cost)
     _feed(policy, "code", 0.7, 600)
     ks = [policy.predicted_k("code", b) for b in (1, 4, 32)]
     assert ks[0] > ks[1] > ks[2] == 0, ks
 
 
+def test_unmeasured_lengths_are_interpolated_from_measured_ones():
+    policy = SpeculationLength(max_k=8, default_k=4)
+    for k, t in ((0, 1.0), (1, 1.2), (8, 2.6)):
+        for _ in range(3):
+            policy.observe_round_time(1, k, t)
+    assert policy.round_time(1, 4) == pytest.approx(1.2 + 1.4 * 3 / 7)
+    assert policy.round_time(1, 0) == 1.0 and policy.round_time(2, 4) is None
+
+
+def test_each_bucket_measures_its_anchor_lengths_then_remeasures_them():
+    policy = SpeculationLength(max_k=6, default_k=3, explore_rounds=2, remeasure_every=50)
+    plans = []
+    for _ in range(200):
+        k = policy.plan_round(4)
+        plans.append(k)
+        policy.observe_round_time(4, 3 if k is None else k, 1.0)
+    assert plans[:6] == [0, 0, 1, 1, 6, 6]  # the anchors first, explore_rounds each
+    forced = sum(k is not None for k in plans[6:])
+    assert 0 < forced <= 3 * 2 * (194 // 50 + 1)  # then a bounded share of rounds
+
+
+def simulate(policy, batch_size, alpha, cost, rounds, seed=0):
+    """A synthetic engine: ``batch_size`` rows of one domain; round time ``cost(b, k)``;
+    accepted tokens drawn per row. Returns committed tokens per second."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for _ in range(rounds):
+        forced = policy.plan_round(batch_size) if policy is not None else None
+        ks = [
+            policy.choose("d", batch_size, forced=forced) if policy is not None else 4
+            for _ in range(batch_size)
+        ]
+        k = max(ks)
+        for row_k in ks:
+            a = 0
+            while a < row_k and rng.random() < alpha:
+                a += 1
+            if policy is not None:
+                policy.observe_round("d", row_k, a)
+            tokens += a + 1
+        t = cost(batch_size, k)
+        seconds += t
+        if policy is not None:
+            policy.observe_round_time(batch_size, k, t)
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16, 32])
+def test_policy_goodput_is_close_to_the_better_of_always_on_and_always_off(batch_size):
+    """The issue's aim in a pure setting: at every batch size the policy's goodput is
+    >= 0.97x the better of always k = 4 and always k = 0, exploration included."""
+
+    def cost(b, k):  # CPU-like: verification work grows with b·(k + 1) past a fixed cost
+        return 0.01 + 0.0012 * b * (k + 1) + 0.0015 * k * (1 + 0.05 * b)
+
+    on = simulate(None, batch_size, 0.8, cost, 1500)
+    off = batch_size / cost(batch_size, 0)
+    got = simulate(SpeculationLength(max_k=6, default_k=4), batch_size, 0.8, cost, 1500)
+    assert got >= 0.97 * max(on, off), (got, on, off)
+
+
 def test_disabled_domain_is_reprobed_at_a_bounded_rate_and_recovers():
     policy = SpeculationLength(max_k=6, default_k=3, probe_every=100, probe_rounds=5)
-    _costs(policy, 1, draft_s=0.15, verify=lambda b, n: 1.0 + 0.05 * n)
+    _costs(policy, 1, lambda b, k: 1.0 + 0.05 * (k + 1) + 0.15 * k)
     _feed(policy, "d", 0.05, 500)
-    choices = [policy.choose("d", 1) for _ in range(1000)]
+    choices = []
+    for _ in range(1000):
+        policy.plan_round(1)
+        choices.append(policy.choose("d", 1))
     probes = sum(1 for k in choices if k > 0)
     assert 0 < probes <= (1000 // 100 + 1) * 5  # speculation costs at most 5 % of rounds
     assert set(choices) == {0, policy.probe_k}
     # Traffic recovers: the probes' rounds carry the news, and speculation comes back.
     got = []
     for _ in range(2000):
+        policy.plan_round(1)
         k = policy.choose("d", 1)
         got.append(k)
         if k:
@@ -127,7 +199,7 @@ def test_disabled_domain_is_reprobed_at_a_bounded_rate_and_recovers():
 
 def test_a_drift_alert_changes_the_choice_at_once():
     policy = SpeculationLength(max_k=8, default_k=4)
-    _costs(policy, 1, draft_s=0.2, verify=lambda b, n: 1.0 + 0.02 * n)
+    _costs(policy, 1, lambda b, k: 1.0 + 0.02 * (k + 1) + 0.2 * k)
     _feed(policy, "d", 0.9, 2000)
     before = policy.choose("d", 1)
     policy.on_drift("d", current_alpha=0.2)
@@ -137,10 +209,10 @@ def test_a_drift_alert_changes_the_choice_at_once():
 
 
 def test_a_wrong_goodput_model_would_be_caught():
-    """Power check: a policy that ignored verification cost (picking k from acceptance
+    """Power check: a policy that ignored the measured costs (picking k from acceptance
     alone) would keep k at batch 32; the goodput policy does not."""
     policy = SpeculationLength(max_k=8, default_k=4)
-    _costs(policy, 32, draft_s=0.4, verify=lambda b, n: 1.0 + 0.05 * b * n)
+    _costs(policy, 32, lambda b, k: 1.0 + 0.05 * b * (k + 1) + 0.4 * k)
     _feed(policy, "code", 0.75, 600)
     acceptance_only = best_k(0.75, 0.0, lambda n: 1.0, 8)[0]
     assert acceptance_only == 8 and policy.predicted_k("code", 32) == 0
