@@ -53,9 +53,10 @@ def render_prometheus_config(monitor: str, alertmanager: str, interval_s: float)
         (MONITOR_PLACEHOLDER, monitor),
         (ALERTMANAGER_PLACEHOLDER, alertmanager),
     ):
-        if text.count(placeholder) != 1:
-            raise ValueError(f"prometheus.yml must name {placeholder} exactly once")
-        text = text.replace(placeholder, value)
+        target = f'targets: ["{placeholder}"]'
+        if text.count(target) != 1:
+            raise ValueError(f"prometheus.yml must have {target} exactly once")
+        text = text.replace(target, f'targets: ["{value}"]')
     every = f"{interval_s:g}s"
     text = text.replace("scrape_interval: 5s", f"scrape_interval: {every}")
     return text.replace("evaluation_interval: 5s", f"evaluation_interval: {every}")
