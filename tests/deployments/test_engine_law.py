@@ -79,7 +79,7 @@ GREEDY_PROMPTS = [[5, 9, 14], [30, 31, 32, 33, 34], [7], [60, 2, 61, 3, 62], [11
 
 # Sampled groups (the statistical tests) and their sizes; greedy and repeated seeded rows
 # ride in the same batches.
-SIZES = {"t1": 450, "ragged": 400, "seeded": 250, "filtered": 350}
+SIZES = {"t1": 330, "ragged": 300, "seeded": 180, "filtered": 260}
 N_GREEDY = 120
 N_SEEDED_AGAIN = 80
 SEED0 = 7_000

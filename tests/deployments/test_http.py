@@ -338,7 +338,7 @@ def test_openapi_schema_fuzz_finds_no_5xx(base_url):
 
             @given(case=operation.as_strategy(generation_mode=mode))
             @settings(
-                max_examples=60,
+                max_examples=40,
                 deadline=None,
                 suppress_health_check=list(HealthCheck),
                 database=None,
@@ -612,7 +612,7 @@ def test_hostile_values_never_give_a_5xx(base_url, chat):
 
     @given(body=hostile_body(chat))
     @settings(
-        max_examples=120,
+        max_examples=80,
         deadline=None,
         suppress_health_check=list(HealthCheck),
         database=None,
