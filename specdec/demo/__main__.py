@@ -1,4 +1,7 @@
-"""``python -m specdec.demo build``: build the demo pair into models/ (resumable)."""
+"""``python -m specdec.demo build``: build the demo pair into models/ (resumable).
+
+``python -m specdec.demo drift``: the drafts' greedy acceptance on fresh held-out prompts.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.demo import drift
 from specdec.demo.build import Recipe, build
 
 
@@ -20,7 +24,12 @@ def main() -> None:
     )
     b.add_argument("--out", type=Path, default=Path("models"), help="where the HF model dirs go")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    d = sub.add_parser("drift", help="greedy acceptance per domain on fresh held-out prompts")
+    drift.add_arguments(d)
     args = parser.parse_args()
+    if args.command == "drift":
+        drift.run(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     stats = build(args.workdir, args.out, Recipe())

@@ -71,6 +71,19 @@ class Recipe:
     )
     draft_batch: int = 32
     prompts_per_domain: int = 300
+    # demo-draft-python, the drift scenario's draft: distilled on code with its English
+    # (comments, docstrings) stripped, so that it really does not know prose
+    python_draft_strip_english: bool = True
+    python_draft_distill_rows: int = 3072
+    python_draft_train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            steps=1500, lr=3e-3, warmup=100, cpu_budget_s=1200, bf16_autocast=False
+        )
+    )
+
+
+# distillation windows are drawn with seed + this offset, one stream each
+DISTILL_SEED_OFFSET = {"python": 1, "prose": 2, "python_code": 3}
 
 
 def _save_hf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
@@ -159,56 +172,89 @@ def build(workdir: Path, out: Path, recipe: Recipe) -> dict:
         record("target", result)
         _save_hf(model, tokenizer, target_dir)
 
-    # 5. distillation sets: the target continues windows of each domain
-    sets = {}
-    for domain in ("python", "prose"):
-        path = workdir / f"distill_{domain}.pt"
+    # 3b. the Python-only draft's text: training code without comments and docstrings, so
+    # that the English of the standard library (most of its prose) never reaches that draft
+    if recipe.python_draft_strip_english:
+        path = workdir / "tokens_python_code.pt"
         if not path.exists():
-            runner = ModelRunner(str(target_dir), max_num_seqs=recipe.distill_batch)
-            gen = torch.Generator().manual_seed(recipe.seed + (1 if domain == "python" else 2))
-            stream = streams[domain]
+            stripped = [corpus.strip_python(d.text) for d in train_docs if d.domain == "python"]
+            docs = [t for t in stripped if t]
+            ids = []
+            for i in tqdm(range(0, len(docs), 256), desc="encode python_code"):
+                for enc in tokenizer(docs[i : i + 256])["input_ids"]:
+                    ids.extend(enc)
+                    ids.append(eos)
+            torch.save(torch.tensor(ids, dtype=torch.int16), path)
+            record(
+                "python_code",
+                {
+                    "files": len(docs),
+                    "skipped_files": len(stripped) - len(docs),
+                    "chars": sum(len(t) for t in docs),
+                    "tokens": len(ids),
+                },
+            )
+        streams["python_code"] = torch.load(path).long()
+
+    # 5. distillation sets: the target continues windows of each stream (made on demand)
+    target_runner: list[ModelRunner] = []
+
+    def distill_set(name: str) -> dict:
+        path = workdir / f"distill_{name}.pt"
+        if not path.exists():
+            if not target_runner:
+                target_runner.append(
+                    ModelRunner(str(target_dir), max_num_seqs=recipe.distill_batch)
+                )
+            rows = recipe.distill_rows_per_domain
+            if name == "python_code":
+                rows = recipe.python_draft_distill_rows
+            gen = torch.Generator().manual_seed(recipe.seed + DISTILL_SEED_OFFSET[name])
+            stream = streams[name]
             starts = torch.randint(
-                0,
-                stream.numel() - recipe.distill_prompt_len,
-                (recipe.distill_rows_per_domain,),
-                generator=gen,
+                0, stream.numel() - recipe.distill_prompt_len, (rows,), generator=gen
             )
             prompts = stream[starts[:, None] + torch.arange(recipe.distill_prompt_len)[None]]
             t0 = time.process_time()
             inputs, labels = generate_distillation_set(
-                runner,
+                target_runner[0],
                 prompts,
                 recipe.distill_new_tokens,
                 recipe.distill_batch,
                 seed=recipe.seed,
-                desc=f"distill {domain}",
+                desc=f"distill {name}",
             )
             torch.save({"inputs": inputs, "labels": labels}, path)
             record(
-                f"distill_{domain}",
+                f"distill_{name}",
                 {"rows": inputs.shape[0], "cpu_seconds": round(time.process_time() - t0)},
             )
-            del runner
-        sets[domain] = torch.load(path)
+        return torch.load(path)
 
     # 6. drafts: general (both domains) and python-only (the drift scenario)
-    for name, domains in (("demo-draft", ("python", "prose")), ("demo-draft-python", ("python",))):
+    python_only = ("python_code",) if recipe.python_draft_strip_english else ("python",)
+    drafts = (
+        ("demo-draft", ("python", "prose"), recipe.draft_train),
+        ("demo-draft-python", python_only, recipe.python_draft_train),
+    )
+    for name, sets, cfg in drafts:
         draft_dir = out / name
         if (draft_dir / "config.json").exists():
             continue
+        data = [distill_set(s) for s in sets]
         torch.manual_seed(recipe.seed)
         model = LlamaForCausalLM(recipe.draft.config(len(tokenizer), eos))
-        inputs = torch.cat([sets[d]["inputs"] for d in domains])
-        labels = torch.cat([sets[d]["labels"] for d in domains])
+        inputs = torch.cat([d["inputs"] for d in data])
+        labels = torch.cat([d["labels"] for d in data])
         result = train(
             model,
             distill_rows(inputs, labels, recipe.draft_batch),
-            recipe.draft_train,
+            cfg,
             workdir / f"{name}.ckpt",
             f"train {name}",
         )
         result["params"] = sum(p.numel() for p in model.parameters())
-        result["distill_domains"] = list(domains)
+        result["distill_domains"] = list(sets)
         record(name, result)
         _save_hf(model, tokenizer, draft_dir)
     return stats

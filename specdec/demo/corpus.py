@@ -8,10 +8,13 @@ falls in the held-out bucket, so the split is the same on every machine.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import io
 import json
 import random
 import sysconfig
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,3 +102,68 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 def read_jsonl(path: Path) -> list[dict]:
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def strip_python(text: str) -> str | None:
+    """Python source without its English: comments, docstrings and bare string statements.
+
+    Lines left empty by a removal go; a string statement that is the whole body of a block
+    becomes ``pass`` so the code still parses; runs of blank lines shrink to two. Returns
+    None when the source does not parse (before or after), so callers can skip the file.
+    """
+    try:
+        tree = ast.parse(text)
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (SyntaxError, ValueError, tokenize.TokenError):
+        return None
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+
+    def at(row: int, col: int, in_bytes: bool) -> int:
+        """Character offset of (1-based row, column); ast counts columns in UTF-8 bytes."""
+        if in_bytes:
+            col = len(lines[row - 1].encode("utf-8")[:col].decode("utf-8", errors="ignore"))
+        return starts[row - 1] + col
+
+    cuts: list[tuple[int, int, str]] = []  # (start, end, replacement), character offsets
+    for tok in tokens:
+        if tok.type == tokenize.COMMENT:
+            cuts.append((at(*tok.start, False), at(*tok.end, False), ""))
+    for node in ast.walk(tree):
+        for name in ("body", "orelse", "finalbody"):
+            body = getattr(node, name, None)
+            if not isinstance(body, list):
+                continue
+            for stmt in body:
+                if (
+                    isinstance(stmt, ast.Expr)
+                    and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)
+                ):
+                    start = at(stmt.lineno, stmt.col_offset, True)
+                    end = at(stmt.end_lineno, stmt.end_col_offset, True)
+                    cuts.append((start, end, "pass" if len(body) == 1 else ""))
+    mark = "\x00"  # stands where something was cut, so emptied lines can be told apart
+    out, pos = [], 0
+    for start, end, repl in sorted(cuts):
+        if start < pos:
+            continue
+        out.append(text[pos:start] + (repl or mark))
+        pos = end
+    out.append(text[pos:])
+    kept, blank = [], 0
+    for line in "".join(out).splitlines():
+        if line.strip() == mark or (mark in line and not line.replace(mark, "").strip()):
+            continue
+        line = line.replace(mark, "").rstrip()
+        blank = blank + 1 if not line else 0
+        if blank <= 2:
+            kept.append(line)
+    result = "\n".join(kept).strip("\n") + "\n"
+    try:
+        ast.parse(result)
+    except SyntaxError:
+        return None
+    return result
