@@ -265,6 +265,7 @@ class EngineCore:
         # k per domain and batch size for requests that do not set their own (None: fixed).
         self.policy = SpeculationLength(**length_policy) if length_policy else None
         self._forced: int | None = None  # this round's cost-measurement k, if any
+        self._policy_state: dict[str, dict] = {}  # the policy's choices, for drain_telemetry
         self._drift: list[tuple[str, float]] = []  # drift alerts for the policy, from calls
         # Round outcomes for the monitor, drained by the frontend (off the loop's path).
         self._telemetry = Telemetry() if telemetry else None
@@ -357,12 +358,14 @@ class EngineCore:
             out = self._telemetry.drain()
             out["running"] = len(self._running)
             out["waiting"] = len(self._waiting) + len(self._new)
-            out["policy"] = self.policy.state() if self.policy is not None else {}
+            out["policy"] = self._policy_state  # published by the loop thread
         return out
 
     @ray.method(concurrency_group="control")
     def on_drift(self, alerts: list[tuple[str, float]]) -> None:
         """Drift alerts ``(domain, current alpha)``: the policy takes them next round."""
+        if self.policy is None:  # fixed k: nothing to adjust
+            return
         with self._cv:
             self._drift.extend(alerts)
 
@@ -755,8 +758,10 @@ class EngineCore:
                 self.policy.observe_round(domain, drafted, a)
             self.policy.observe_round_time(len(seqs), planned, total_s)
         if self._telemetry is not None:
+            state = self.policy.state() if self.policy is not None else {}
             with self._cv:
                 self._telemetry.add(outcomes, committed, verify_s, waited, total_s)
+                self._policy_state = state
 
     def _plan_next_round(self, batch_size: int) -> None:
         """Before the next round's draft lengths are chosen: drift alerts that came in,

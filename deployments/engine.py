@@ -446,38 +446,54 @@ class SpecEngine:
         while True:
             await asyncio.sleep(self.flush_interval_s)
             try:
-                drained = await self._call(self.target.drain_telemetry.remote())
+                await self._flush_once()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a target being replaced: the poller handles it
-                logger.debug("no telemetry from the core: %r", exc)
-                continue
-            requests, self._request_records = self._request_records, []
-            batch = RoundBatch(
-                model=self.config.model_name,
-                replica=self.replica,
-                rounds=[RoundRecord(*r) for r in drained["rounds"]],
-                verify_s=drained["verify_s"],
-                draft_wait_s=drained["draft_wait_s"],
-                overhead_s=drained["overhead_s"],
-                committed=drained["committed"],
-                running=drained["running"],
-                waiting=drained["waiting"],
-                policy=drained["policy"],
+            except Exception:  # never end the flushing task: the next interval retries
+                logger.exception("telemetry flush failed")
+
+    async def _flush_once(self) -> None:
+        try:
+            drained = await self._call(self.target.drain_telemetry.remote())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a target being replaced: the poller handles it
+            logger.debug("no telemetry from the core: %r", exc)
+            return
+        if drained is None:
+            return
+        requests, self._request_records = self._request_records, []
+        batch = RoundBatch(
+            model=self.config.model_name,
+            replica=self.replica,
+            rounds=[RoundRecord(*r) for r in drained["rounds"]],
+            verify_s=drained["verify_s"],
+            draft_wait_s=drained["draft_wait_s"],
+            overhead_s=drained["overhead_s"],
+            committed=drained["committed"],
+            running=drained["running"],
+            waiting=drained["waiting"],
+            policy=drained["policy"],
+        )
+        try:
+            alerts, cursor = await asyncio.wait_for(
+                self.telemetry(batch, requests, self._drift_cursor),
+                timeout=self.config.faults.call_timeout_s,
             )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("the monitor did not take telemetry: %r", exc)
+            return
+        if alerts:
             try:
-                alerts, self._drift_cursor = await asyncio.wait_for(
-                    self.telemetry(batch, requests, self._drift_cursor),
-                    timeout=self.config.faults.call_timeout_s,
-                )
+                await self._call(self.target.on_drift.remote(alerts))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                logger.warning("the monitor did not take telemetry: %r", exc)
-                continue
-            if alerts:
-                with contextlib.suppress(Exception):
-                    await self._call(self.target.on_drift.remote(alerts))
+            except Exception as exc:  # keep the cursor: the alerts come again next flush
+                logger.warning("could not hand drift alerts to the core: %r", exc)
+                return
+        self._drift_cursor = cursor
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:

@@ -190,8 +190,8 @@ class SpecServeMetrics:
                 per_token = (rec.duration_s - rec.time_to_first_token_s) / (rec.output_tokens - 1)
                 self.tpot.record(per_token, attrs)
 
-    def set_policy(self, model: str, domain: str, k: int, break_even: float) -> None:
-        attrs = {"model": model, "domain": domain}
+    def set_policy(self, model: str, replica: str, domain: str, k: int, break_even: float) -> None:
+        attrs = {"model": model, "replica": replica, "domain": domain}
         self.k.set(k, attrs)
         self.enabled.set(int(k > 0), attrs)
         self.break_even.set(break_even, attrs)

@@ -58,7 +58,7 @@ class Monitor:
         for domain, choice in batch.policy.items():
             k = choice.get("k")
             if k is not None:
-                self.metrics.set_policy(batch.model, domain, k, self._break_even(k))
+                self.metrics.set_policy(batch.model, batch.replica, domain, k, self._break_even(k))
         rounds = [r for r in batch.rounds if r.drafted > 0]
         if not rounds:
             return []
@@ -146,8 +146,19 @@ def build_providers(
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
         registry = CollectorRegistry()
-        readers.append(PrometheusMetricReader(registry=registry))
-        start_http_server(prometheus_port, addr=host, registry=registry)
+        try:
+            start_http_server(prometheus_port, addr=host, registry=registry)
+        except OSError as exc:  # port taken: monitoring must not take serving down
+            logger.error(
+                "cannot serve Prometheus metrics on %s:%s (%s); continuing without the "
+                "endpoint (set monitoring.prometheus_port to a free port)",
+                host,
+                prometheus_port,
+                exc,
+            )
+            registry = None
+        else:
+            readers.append(PrometheusMetricReader(registry=registry))
     logger_provider = LoggerProvider()
     if otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter

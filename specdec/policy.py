@@ -187,7 +187,9 @@ class _Costs:
 
     seconds: dict[int, float] = field(default_factory=dict)  # k -> decayed mean round time
     count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
-    last: dict[int, int] = field(default_factory=dict)  # k -> round number of the last one
+    last: dict[int, int] = field(default_factory=dict)  # k -> round of its last measurement
+    tries: dict[int, int] = field(default_factory=dict)  # k -> rounds forced to measure it
+    tries_at: dict[int, int] = field(default_factory=dict)  # k -> round of its last forcing
     rounds: int = 0  # rounds planned in this bucket
     forced: int | None = None  # the k a measurement runs at
     forced_left: int = 0
@@ -295,15 +297,24 @@ class SpeculationLength:
         c.rounds += 1
         if c.forced_left <= 0:
             c.forced = None
+            # A forced round may not measure its k (rows with their own k set the round's
+            # length): an anchor is forced at most 2 x explore_rounds times before it has
+            # data, then again only when its data is remeasure_every rounds old, so rows
+            # outside the policy can never hold the policy's rows at one k.
             stale = [
                 k
                 for k in self.anchors
-                if c.count.get(k, 0) < self.explore_rounds
-                or c.rounds - c.last.get(k, 0) > self.remeasure_every
+                if (
+                    c.count.get(k, 0) < self.explore_rounds
+                    and c.tries.get(k, 0) < 2 * self.explore_rounds
+                )
+                or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > self.remeasure_every
             ]
             if stale:
                 c.forced = stale[0]
                 c.forced_left = max(1, self.explore_rounds - c.count.get(c.forced, 0))
+                c.tries[c.forced] = c.tries.get(c.forced, 0) + c.forced_left
+                c.tries_at[c.forced] = c.rounds
         if c.forced is None:
             return None
         c.forced_left -= 1

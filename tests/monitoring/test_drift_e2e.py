@@ -211,9 +211,11 @@ def test_drift_alert_fires_in_alertmanager_lowers_k_and_resolves(drift_app):
         assert warn["specserve.current"] < warn["specserve.baseline"]
 
         # The length policy reacted: k for the domain fell (or speculation went off).
+        assert figures["k_before"] and figures["k_before"] >= 1, figures
+
         def k_now():
             got = stack.query(f'max(specserve_speculation_k{{domain="{DOMAIN}"}})')
-            return got and float(got[0]["value"][1]) < 4
+            return got and float(got[0]["value"][1]) < figures["k_before"]
 
         wait_for(k_now, 30, "the policy to lower k for the domain")
         got = stack.query(f'max(specserve_speculation_k{{domain="{DOMAIN}"}})')

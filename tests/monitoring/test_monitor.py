@@ -127,9 +127,9 @@ def test_policy_choices_become_gauges(monitor):
     mon.report(batch([], policy={"python": {"k": 3, "alpha": 0.8}, "prose": {"k": 0}}))
     k = points(reader, "specserve.speculation.k")
     on = points(reader, "specserve.speculation.enabled")
-    key = frozenset({"model": "demo-target", "domain": "prose"}.items())
+    key = frozenset({"model": "demo-target", "replica": "r1", "domain": "prose"}.items())
     assert k[key] == 0 and on[key] == 0
-    key = frozenset({"model": "demo-target", "domain": "python"}.items())
+    key = frozenset({"model": "demo-target", "replica": "r1", "domain": "python"}.items())
     assert k[key] == 3 and on[key] == 1
 
 

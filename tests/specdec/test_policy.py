@@ -216,3 +216,15 @@ def test_a_wrong_goodput_model_would_be_caught():
     _feed(policy, "code", 0.75, 600)
     acceptance_only = best_k(0.75, 0.0, lambda n: 1.0, 8)[0]
     assert acceptance_only == 8 and policy.predicted_k("code", 32) == 0
+
+
+def test_forced_measurements_stay_bounded_when_other_rows_set_the_round_length():
+    """Rows outside the policy (seeded requests, requests with their own k) can make every
+    round longer than the k a measurement asked for: the policy must not keep forcing."""
+    policy = SpeculationLength(max_k=4, default_k=4, explore_rounds=3, remeasure_every=256)
+    forced = 0
+    for _ in range(1000):
+        k = policy.plan_round(4)
+        forced += k is not None
+        policy.observe_round_time(4, 4, 1.0)  # a row with its own k = 4 is always there
+    assert forced <= 2 * 3 * 2 + 3 * 2 * (1000 // 256 + 1), forced
