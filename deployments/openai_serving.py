@@ -154,7 +154,15 @@ class OpenAIServing:
                     "this model has no tokenizer: send token ids", "invalid_value", "prompt"
                 )
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return list(prompt)  # the engine checks the ids against the vocabulary
+        ids = list(prompt)
+        vocab = self.engine.target_info.get("vocab_size")
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            # Checked here too (the engine checks again): echo decodes the ids before the
+            # engine sees them, and a tokenizer given an id past 64 bits raises.
+            raise bad_request(
+                f"prompt token ids must be integers in [0, {vocab})", "invalid_value", "prompt"
+            )
+        return ids
 
     def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = []

@@ -317,6 +317,13 @@ def test_dead_target_gives_503_not_500(secure_url):
     assert "target worker died" in health.json()["error"]
 
 
+def test_echo_of_token_ids_past_64_bits_is_a_400(base_url):
+    """Found by the schema fuzz: echo decoded the ids before anything checked them."""
+    body = {"model": MODEL, "prompt": [99, 3 * 10**26, 7], "echo": True, "max_tokens": 2}
+    r = httpx.post(f"{base_url}/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_openapi_schema_fuzz_finds_no_5xx(base_url):
     """Schemathesis-generated requests (valid and invalid) for every operation of the app's
     own OpenAPI schema: no 5xx, and every response conforms to the schema. Schemathesis
