@@ -1,6 +1,7 @@
 """The demo-pair recipe, stage by stage; each stage skips itself when its output exists.
 
-Stages: corpus -> tokenizer -> encode -> target -> distill -> drafts. Outputs go to the
+Stages: corpus -> tokenizer -> encode (both domains, and the Python code stripped of its
+English for demo-draft-python) -> target -> distill -> drafts. Outputs go to the
 work directory (checkpoints, token streams, distillation sets) and to ``models/``
 (Hugging Face directories in bf16, loadable with ``from_pretrained``).
 """
@@ -21,7 +22,13 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 from specdec.demo import corpus
 from specdec.demo.distill import generate_distillation_set
 from specdec.demo.tokenizer import train_tokenizer
-from specdec.demo.train import TrainConfig, distill_rows, text_windows, train
+from specdec.demo.train import (
+    TrainConfig,
+    distill_rows,
+    distill_rows_with_negatives,
+    text_windows,
+    train,
+)
 from specdec.runner import ModelRunner
 
 
@@ -71,13 +78,22 @@ class Recipe:
     )
     draft_batch: int = 32
     prompts_per_domain: int = 300
-    # demo-draft-python, the drift scenario's draft: distilled on code with its English
-    # (comments, docstrings) stripped, so that it really does not know prose
+    # demo-draft-python, the drift scenario's draft, must not know prose. It is distilled on
+    # code with its English (comments, docstrings) stripped, and, because the demo target's
+    # prose is so repetitive that any draft able to copy agrees with it, each of its batches
+    # also holds this many rows of the prose set whose target labels it unlearns (an
+    # unlikelihood loss, weight ``python_draft_train.unlikelihood_weight``); 0 turns it off.
     python_draft_strip_english: bool = True
     python_draft_distill_rows: int = 3072
+    python_draft_unlearn_prose_rows: int = 8
     python_draft_train: TrainConfig = field(
         default_factory=lambda: TrainConfig(
-            steps=1500, lr=3e-3, warmup=100, cpu_budget_s=1200, bf16_autocast=False
+            steps=1500,
+            lr=3e-3,
+            warmup=100,
+            cpu_budget_s=1800,
+            bf16_autocast=False,
+            unlikelihood_weight=0.1,
         )
     )
 
@@ -233,11 +249,18 @@ def build(workdir: Path, out: Path, recipe: Recipe) -> dict:
 
     # 6. drafts: general (both domains) and python-only (the drift scenario)
     python_only = ("python_code",) if recipe.python_draft_strip_english else ("python",)
-    drafts = (
-        ("demo-draft", ("python", "prose"), recipe.draft_train),
-        ("demo-draft-python", python_only, recipe.python_draft_train),
+    unlearn = recipe.python_draft_unlearn_prose_rows
+    drafts = (  # name, sets to learn, set to unlearn (rows per batch), training config
+        ("demo-draft", ("python", "prose"), None, 0, recipe.draft_train),
+        (
+            "demo-draft-python",
+            python_only,
+            "prose" if unlearn else None,
+            unlearn,
+            recipe.python_draft_train,
+        ),
     )
-    for name, sets, cfg in drafts:
+    for name, sets, negative, neg_rows, cfg in drafts:
         draft_dir = out / name
         if (draft_dir / "config.json").exists():
             continue
@@ -246,15 +269,18 @@ def build(workdir: Path, out: Path, recipe: Recipe) -> dict:
         model = LlamaForCausalLM(recipe.draft.config(len(tokenizer), eos))
         inputs = torch.cat([d["inputs"] for d in data])
         labels = torch.cat([d["labels"] for d in data])
-        result = train(
-            model,
-            distill_rows(inputs, labels, recipe.draft_batch),
-            cfg,
-            workdir / f"{name}.ckpt",
-            f"train {name}",
-        )
+        if negative:
+            neg = distill_set(negative)
+            batches = distill_rows_with_negatives(
+                inputs, labels, neg["inputs"], neg["labels"], recipe.draft_batch, neg_rows
+            )
+        else:
+            batches = distill_rows(inputs, labels, recipe.draft_batch)
+        result = train(model, batches, cfg, workdir / f"{name}.ckpt", f"train {name}")
         result["params"] = sum(p.numel() for p in model.parameters())
         result["distill_domains"] = list(sets)
+        if negative:
+            result["unlearned"] = {"set": negative, "rows_per_batch": neg_rows}
         record(name, result)
         _save_hf(model, tokenizer, draft_dir)
     return stats
