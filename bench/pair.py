@@ -19,8 +19,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench.common import median, write_result
+from bench.common import write_result
 from specdec.demo.corpus import read_jsonl
+from specdec.demo.drift import token_cost
 from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
@@ -30,20 +31,6 @@ from specdec.speedup import estimate_alpha
 MODELS = Path(__file__).resolve().parents[1] / "models"
 DRAFTS = ("demo-draft", "demo-draft-python")
 DOMAINS = ("python", "prose")
-
-
-def token_cost(runner: ModelRunner, n_new: int, reps: int, context: int = 64) -> float:
-    """Median seconds of one forward pass appending ``n_new`` tokens after ``context``."""
-    runner.add("bench")
-    runner.forward(["bench"], [list(range(10, 10 + context))])
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        runner.forward(["bench"], [list(range(20, 20 + n_new))])
-        times.append(time.perf_counter() - t0)
-        runner.rollback("bench", context)
-    runner.free("bench")
-    return median(times)
 
 
 def acceptance(target, draft, prompts, k, params) -> dict:

@@ -47,7 +47,7 @@ def fresh_prompts(domain: str, count: int, seed: int, models: Path = Path("model
     return rows[:count]
 
 
-def _token_cost(runner: ModelRunner, n_new: int, reps: int, context: int = 64) -> float:
+def token_cost(runner: ModelRunner, n_new: int, reps: int, context: int = 64) -> float:
     """Median seconds of one forward pass appending ``n_new`` tokens after ``context``."""
     runner.add("cost")
     runner.forward(["cost"], [list(range(10, 10 + context))])
@@ -78,8 +78,8 @@ def measure(
     }
     target = ModelRunner(str(models / "demo-target"))
     runners = {name: ModelRunner(str(models / name)) for name in drafts}
-    t_target = _token_cost(target, 1, reps)
-    verify = {k: _token_cost(target, k + 1, reps) for k in ks}
+    t_target = token_cost(target, 1, reps)
+    verify = {k: token_cost(target, k + 1, reps) for k in ks}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out: dict = {
         "prompts_per_domain": count,
@@ -90,7 +90,7 @@ def measure(
         "drafts": {},
     }
     for name, runner in runners.items():
-        t_draft = _token_cost(runner, 1, reps)
+        t_draft = token_cost(runner, 1, reps)
         out["ms_per_token"][name] = round(t_draft * 1e3, 3)
         proposer = DraftModelProposer(runner)
         per: dict = {"alpha_hat": {}, "break_even": {}}
