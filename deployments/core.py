@@ -483,6 +483,8 @@ class EngineCore:
         """Prefill waiting requests up to max_num_seqs and publish their first tokens."""
         room = self.max_num_seqs - len(self._running)
         batch, self._waiting = self._waiting[:room], self._waiting[room:]
+        if batch:
+            self._take_drift_alerts()
         items: list[tuple] = []
         for sid in self._isolated(batch, self._prefill):
             seq = self._running[sid]
@@ -768,11 +770,18 @@ class EngineCore:
         and whether the next round measures the cost of one k (see SpeculationLength)."""
         if self.policy is None:
             return
+        self._take_drift_alerts()
+        self._forced = self.policy.plan_round(batch_size)
+
+    def _take_drift_alerts(self) -> None:
+        """Hand alerts that came in to the policy (before any k is chosen: a sequence
+        admitted right after an alert already drafts at the k the alert implies)."""
+        if self.policy is None:
+            return
         with self._cv:
             alerts, self._drift = self._drift, []
         for domain, alpha in alerts:
             self.policy.on_drift(domain, alpha)
-        self._forced = self.policy.plan_round(batch_size)
 
     def _lose_draft(self, draft) -> None:
         """The compiled graph to this draft failed or its reply came too late: decode

@@ -680,11 +680,17 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
             for i, p in enumerate(PROMPTS[:6])
         ]
         results = await asyncio.gather(*jobs)
-        await asyncio.sleep(0.5)  # one more flush
+        # One request alone first: the batch-1 bucket's cost measurements (forced rounds at
+        # k = 0, 1, 4) happen now, not after the alert, where a self-draft's acceptance of 1
+        # would rightly bring speculation back.
+        longer = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        await collect(engine, PROMPTS[0], longer, domain="a")
+        await asyncio.sleep(0.5)  # one more flush: every round so far has reached the sink
+        before = len(batches)
         await engine.target.on_drift.remote([("a", 0.0)])
         after = [await collect(engine, p, GREEDY, domain="a") for p in PROMPTS[:6]]
         await asyncio.sleep(0.5)
-        return results, after
+        return results, after, before
 
     async def run():
         engine = SpecEngine(cfg, telemetry=sink, flush_interval_s=0.2, replica="r")
@@ -694,7 +700,7 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
         finally:
             await engine.shutdown()
 
-    results, after = asyncio.run(run())
+    results, after, before = asyncio.run(run())
     for p, (tokens, _last) in zip(PROMPTS[:6], results, strict=True):
         assert tokens == reference[tuple(p)]
     rounds = [r for b in batches for r in b.rounds]
@@ -704,11 +710,15 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
     assert choices and {"a", "b"} <= set().union(*choices)
     assert all(0 <= c["k"] <= 4 for p in choices for c in p.values())
     assert sum(b.committed.get("a", 0) + b.committed.get("b", 0) for b in batches) > 0
-    assert len(records) == 12 and all(r.replica == "r" and r.error_type is None for r in records)
+    assert len(records) == 13 and all(r.replica == "r" and r.error_type is None for r in records)
     assert all(r.time_to_first_token_s <= r.duration_s for r in records)
-    # After the alert: domain "a" stops drafting (forced cost measurements aside).
+    # After the alert: domain "a" stops drafting from its next round on.
     for p, (tokens, _last) in zip(PROMPTS[:6], after, strict=True):
         assert tokens == reference[tuple(p)]
+    assert any(r.domain == "a" and r.drafted > 0 for b in batches[:before] for r in b.rounds)
+    late = [r for b in batches[before:] for r in b.rounds if r.domain == "a"]
+    assert sum(b.committed.get("a", 0) for b in batches[before:]) >= 6 * (GREEDY.max_tokens - 1)
+    assert all(r.drafted == 0 for r in late), [r.drafted for r in late]
     policies = [b.policy for b in batches if b.policy]
     assert policies[-1]["a"]["k"] == 0
     assert max(p["b"]["k"] for p in policies if "b" in p) > 0  # no alert: b speculates
