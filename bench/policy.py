@@ -84,7 +84,9 @@ async def measure(url, prompts, args) -> dict:
             rates = {m: [] for m in MODES}
             # The policy's first block at this batch size includes its exploration.
             for rep in range(args.reps):
-                for mode in MODES:
+                # Each rep starts with a different mode: a machine that drifts in speed
+                # during a block sequence favours no mode.
+                for mode in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:
                     tok, sec = await run_block(
                         http, prompts, mode, c, requests, args.k, args.max_tokens, rep * 97
                     )

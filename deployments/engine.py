@@ -474,6 +474,7 @@ class SpecEngine:
             running=drained["running"],
             waiting=drained["waiting"],
             policy=drained["policy"],
+            dropped=drained.get("dropped", 0),
         )
         try:
             alerts, cursor = await asyncio.wait_for(

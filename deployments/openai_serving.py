@@ -271,12 +271,16 @@ class OpenAIServing:
 
     # ----- engine -> response -----------------------------------------------------------------
 
-    def report(self, out: RequestOutput | None, args: dict[str, Any]) -> SpeculationReport:
+    def report(
+        self, out: RequestOutput | None, args: dict[str, Any], params: SamplingParams
+    ) -> SpeculationReport:
         s = out.stats if out else None
         k = args["num_speculative_tokens"]
         enabled = args["speculation"] and self.engine.config.draft is not None
         default_k = self.config.engine.speculation.num_speculative_tokens
-        policy = self.config.engine.speculation.policy if enabled and k is None else "fixed"
+        # Seeded requests run at the fixed k (the policy's timing-driven k would not repeat).
+        auto = enabled and k is None and params.seed is None
+        policy = self.config.engine.speculation.policy if auto else "fixed"
         return SpeculationReport(
             enabled=enabled,
             num_speculative_tokens=(default_k if k is None else k) if enabled else 0,
@@ -420,7 +424,7 @@ class OpenAIServing:
             model=self.model_name,
             choices=[choice],
             usage=usage,
-            speculation=self.report(last, args),
+            speculation=self.report(last, args, params),
         )
 
     async def _events(self, req, rid, gen, first, prompt_ids, params, args, chat, echo):
@@ -490,7 +494,7 @@ class OpenAIServing:
         finish = last.finish_reason if last else "length"
         end = {"index": 0, "finish_reason": finish}
         end.update({"delta": {}} if chat else {"text": "", "logprobs": None})
-        yield chunk([end], {"speculation": self.report(last, args).model_dump()})
+        yield chunk([end], {"speculation": self.report(last, args, params).model_dump()})
         if include_usage:
             yield chunk([], {"usage": usage})
         yield "data: [DONE]\n\n"

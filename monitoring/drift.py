@@ -47,7 +47,7 @@ which neither moves: acceptance hovering near the alert level cannot make it fla
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
@@ -118,14 +118,15 @@ class DriftConfig(BaseModel):
     cost_ratio: float = Field(
         0.0,
         ge=0.0,
-        description="Draft step cost over target verify cost, T_d / T_v(k+1), until "
-        "set_costs() reports measured ones. 0: break-even is 0 and alerts follow delta.",
+        description="Draft step cost over target verify cost, T_d / T_v(k+1), for a k "
+        "the serving engine has not measured yet (its length policy reports measured round "
+        "times, which take precedence). 0: break-even is 0 and alerts follow delta.",
     )
     verify_ratio: float = Field(
         1.0,
         gt=0.0,
-        description="T_v(k+1) / T_t(1), verify pass over plain decoding step, until "
-        "set_costs() reports measured ones (1 while decoding is memory-bound).",
+        description="T_v(k+1) / T_t(1), verify pass over plain decoding step, for a k "
+        "without measured round times (1 while decoding is memory-bound).",
     )
     max_domains: int = Field(
         256,
@@ -225,6 +226,7 @@ class DriftMonitor:
         self._k = np.zeros(n, np.int64)  # drafts per round, latest rounds
         self._cost = np.full(n, cfg.cost_ratio)  # T_d / T_v(k+1)
         self._verify = np.full(n, cfg.verify_ratio)  # T_v(k+1) / T_t(1)
+        self._measured: dict[int, dict[int, float]] = {}  # slot -> {k: T(k) / T(0)}
         self._warm = np.zeros((n, 2))  # [slot, (accepted, rejections)] during warm-up
         self._alpha0 = np.zeros(n)
         self._alpha1 = np.zeros(n)
@@ -365,12 +367,31 @@ class DriftMonitor:
             self._cost[slot], self._verify[slot] = cost_ratio, verify_ratio
             self._refresh(slot)
 
+    def set_round_time_ratios(self, domain: str, ratios: Mapping[int, float]) -> None:
+        """Measured round times of the domain's serving engine, ``T(k) / T(0)`` per k
+        (the length policy's measurements): break-even at k is then ``E(α, k) = T(k) /
+        T(0)``, and these take precedence over the configured cost ratios for the ks they
+        cover. Several replicas report for one domain: the latest report counts."""
+        clean = {
+            int(k): float(r) for k, r in ratios.items() if int(k) >= 1 and math.isfinite(r) and r > 0
+        }
+        slot = self._slot(domain)
+        if clean == self._measured.get(slot):
+            return
+        self._measured[slot] = clean
+        self._refresh(slot)
+
     def _refresh(self, slot: int) -> None:
         """Break-even, ``α_1`` and both tests' llr coefficients of a monitored slot."""
         if self._state[slot] == _WARMING or self._k[slot] < 1:
             return
         alpha0 = float(self._alpha0[slot])
-        be = _break_even(int(self._k[slot]), float(self._cost[slot]), float(self._verify[slot]))
+        k = int(self._k[slot])
+        measured = self._measured.get(slot, {}).get(k)
+        if measured is not None:  # cost folded into the measured round time
+            be = _break_even(k, 0.0, round(measured, 3))
+        else:
+            be = _break_even(k, float(self._cost[slot]), float(self._verify[slot]))
         alpha1, below = alternative_alpha(alpha0, be, self.config.delta)
         alpha_r = alpha0 - self.config.resolve_fraction * (alpha0 - alpha1)  # resolve null
         self._break_even[slot], self._alpha1[slot], self._below[slot] = be, alpha1, below

@@ -46,7 +46,9 @@ class RoundBatch:
     committed: dict[str, int] = field(default_factory=dict)  # domain -> tokens committed
     running: int = 0
     waiting: int = 0
-    policy: dict[str, dict] = field(default_factory=dict)  # domain -> {"k", "alpha"}
+    # domain -> {"k", "alpha", "round_time_ratio": {k: T(k) / T(0)}}
+    policy: dict[str, dict] = field(default_factory=dict)
+    dropped: int = 0  # sequence-rounds the replica's buffer dropped since the last flush
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,16 @@ class SpecServeMetrics:
         self.accepted_per_pos = c(
             "specserve.spec_decode.num_accepted_tokens_per_pos",
             description="Accepted draft tokens by draft position (0-based).",
+        )
+        self.drafts_per_pos = c(
+            "specserve.spec_decode.num_drafts_per_pos",
+            description="Rounds whose drafts reached each draft position (0-based): with k "
+            "varying per round, the denominator of acceptance by position.",
+        )
+        self.dropped_rounds = c(
+            "specserve.telemetry.dropped_rounds",
+            description="Sequence-rounds a replica dropped from its telemetry buffer "
+            "because the monitor fell behind (the metrics above undercount by this much).",
         )
         self.cache_hits = c(
             "specserve.speculation.cache_hits", description="Rounds whose drafts were ready."
@@ -157,8 +169,11 @@ class SpecServeMetrics:
             self.num_accepted_tokens.add(r.accepted, attrs)
             if r.accepted < r.drafted:
                 self.num_rejection_rounds.add(1, attrs)
-            for pos in range(r.accepted):
-                self.accepted_per_pos.add(1, {**attrs, "position": pos})
+            for pos in range(r.drafted):
+                at = {**attrs, "position": pos}
+                self.drafts_per_pos.add(1, at)
+                if pos < r.accepted:
+                    self.accepted_per_pos.add(1, at)
             (self.cache_hits if r.cache_hit else self.cache_misses).add(1, base)
         for domain, tokens in batch.committed.items():
             self.generation_tokens.add(tokens, {**base, "domain": domain})
@@ -169,6 +184,8 @@ class SpecServeMetrics:
         ):
             for v in values:
                 hist.record(v, base)
+        if batch.dropped:
+            self.dropped_rounds.add(batch.dropped, base)
         self.running.set(batch.running, base)
         self.waiting.set(batch.waiting, base)
 

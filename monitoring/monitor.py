@@ -56,9 +56,13 @@ class Monitor:
         """Record one replica flush; returns the drift alerts it started or resolved."""
         self.metrics.record_rounds(batch)
         for domain, choice in batch.policy.items():
+            ratios = choice.get("round_time_ratio") or {}
+            if ratios:
+                self.detector.set_round_time_ratios(domain, ratios)
             k = choice.get("k")
             if k is not None:
-                self.metrics.set_policy(batch.model, batch.replica, domain, k, self._break_even(k))
+                be = self._break_even(k, ratios.get(k))
+                self.metrics.set_policy(batch.model, batch.replica, domain, k, be)
         rounds = [r for r in batch.rounds if r.drafted > 0]
         if not rounds:
             return []
@@ -81,10 +85,15 @@ class Monitor:
         new = self.events[start:]
         return [(e.domain, e.current) for e in new], self._events_before + len(self.events)
 
-    def _break_even(self, k: int) -> float:
-        """Break-even acceptance at ``k`` from the detector's current costs (0 at k = 0)."""
+    def _break_even(self, k: int, round_time_ratio: float | None = None) -> float:
+        """Break-even acceptance at ``k`` (0 at k = 0): from the replica's measured
+        ``T(k) / T(0)`` when it has one, else from the configured cost ratios."""
+        if k < 1:
+            return 0.0
+        if round_time_ratio is not None and round_time_ratio > 0:
+            return break_even_alpha(k, 0.0, round_time_ratio)
         cfg = self.detector.config
-        return break_even_alpha(k, cfg.cost_ratio, cfg.verify_ratio) if k >= 1 else 0.0
+        return break_even_alpha(k, cfg.cost_ratio, cfg.verify_ratio)
 
     def _alert(self, model: str, event: DriftEvent) -> None:
         firing = event.kind == "fire"

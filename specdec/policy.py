@@ -172,6 +172,7 @@ class _Domain:
     disabled_at: int | None = None  # the engine round when k = 0 was chosen
     probe_until: int = 0  # its rows run at probe_k until this engine round
     k: int | None = None  # the last choice (for the gauges)
+    batch_size: int = 1  # of the last round it was asked about (its costs' bucket)
 
     @property
     def tokens(self) -> float:
@@ -365,6 +366,7 @@ class SpeculationLength:
         if requested is not None:
             return requested
         d = self._domains.setdefault(domain, _Domain())
+        d.batch_size = batch_size
         if forced is not None:
             return forced
         if self._round < d.probe_until:
@@ -384,10 +386,29 @@ class SpeculationLength:
             return self.probe_k
         return 0
 
+    def round_time_ratios(self, batch_size: int) -> dict[int, float]:
+        """``T(b, k) / T(b, 0)`` per k >= 1 with data: the tokens a round at k must commit
+        to pay for itself, i.e. break-even is ``E(α, k) = ratio`` (measured, so overlap,
+        waits and contention are in it; the drift detector's break-even comes from it)."""
+        t0 = self.round_time(batch_size, 0)
+        if t0 is None:
+            return {}
+        ratios = {}
+        for k in range(1, self.max_k + 1):
+            t = self.round_time(batch_size, k)
+            if t is not None:
+                ratios[k] = round(t / t0, 4)
+        return ratios
+
     def state(self) -> dict[str, dict]:
-        """Per domain: the last chosen k and α̂ (for the gauges and stats)."""
+        """Per domain: the last chosen k, α̂ and the measured round-time ratios of its
+        batch size (for the gauges, the drift detector's break-even and the stats)."""
         return {
-            name: {"k": d.k, "alpha": self.alpha(name)}
+            name: {
+                "k": d.k,
+                "alpha": self.alpha(name),
+                "round_time_ratio": self.round_time_ratios(d.batch_size),
+            }
             for name, d in self._domains.items()
             if d.k is not None
         }

@@ -86,6 +86,7 @@ class Traffic:
     def __init__(self, url: str):
         self.url, self.domain = url, "python"
         self.sent = self.errors = 0
+        self.policies: set[str] = set()  # speculation.policy of the responses
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(CONCURRENCY)
         self._futures = [self._pool.submit(self._client, i) for i in range(CONCURRENCY)]
@@ -110,6 +111,8 @@ class Traffic:
                 )
                 self.sent += 1
                 self.errors += resp.status_code != 200
+                if resp.status_code == 200:
+                    self.policies.add(resp.json()["speculation"]["policy"])
 
     def stop(self) -> None:
         self._stop.set()
@@ -241,6 +244,13 @@ def test_drift_alert_fires_in_alertmanager_lowers_k_and_resolves(drift_app):
         out.mkdir(parents=True, exist_ok=True)
         (out / "drift_e2e.json").write_text(json.dumps(figures, indent=2))
     assert traffic.errors == 0
+    assert traffic.policies == {"goodput"}  # every request's k came from the policy
+    seeded = httpx.post(  # ... except a seeded one's: it runs at the fixed k, and says so
+        f"{url}/v1/completions",
+        json={"model": "demo-target", "prompt": "def f(x):", "max_tokens": 4, "seed": 3},
+        timeout=120,
+    )
+    assert seeded.status_code == 200 and seeded.json()["speculation"]["policy"] == "fixed"
 
 
 def test_direct_push_reaches_alertmanager(drift_app):

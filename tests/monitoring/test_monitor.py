@@ -11,9 +11,10 @@ from opentelemetry.sdk._logs.export import InMemoryLogExporter, SimpleLogRecordP
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from monitoring.drift import DriftConfig
+from monitoring.drift import DriftConfig, DriftState
 from monitoring.metrics import RequestRecord, RoundBatch, RoundRecord
 from monitoring.monitor import DRIFT_EVENT, Monitor, build_providers
+from specdec.speedup import break_even_alpha, expected_tokens_per_round
 
 K = 4
 FAST = DriftConfig(warmup_tokens=3000)
@@ -120,6 +121,47 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     assert [d for d, _ in alerts] == ["python", "python"] and cursor == 2
     assert alerts[0][1] == pytest.approx(mon.events[0].current)
     assert mon.alerts_since(cursor) == ([], 2)
+
+
+def test_acceptance_by_position_counts_only_rounds_that_reached_it(monitor):
+    """With k varying per round (the length policy), position p's acceptance is accepted
+    at p over rounds that drafted past p: a round of k = 1 is no rejection at position 3.
+    Every round here accepts all its drafts, so every position must read exactly 1."""
+    mon, reader, _ = monitor
+    recs = [RoundRecord("code", k, k) for k in (1, 1, 2, 4, 4, 3, 1)]
+    mon.report(batch(recs, dropped=5))
+    key = {"model": "demo-target", "replica": "r1", "domain": "code"}
+    acc = points(reader, "specserve.spec_decode.num_accepted_tokens_per_pos")
+    reached = points(reader, "specserve.spec_decode.num_drafts_per_pos")
+    for p in range(4):
+        at = frozenset({**key, "position": p}.items())
+        assert reached[at] == sum(r.drafted > p for r in recs)
+        assert acc[at] / reached[at] == 1.0
+    base = frozenset({"model": "demo-target", "replica": "r1"}.items())
+    assert points(reader, "specserve.telemetry.dropped_rounds")[base] == 5
+
+
+def test_break_even_comes_from_measured_round_times(monitor):
+    """A replica's policy reports T(k) / T(0): the break-even gauge and the detector's
+    break-even solve E(alpha, k) = T(k) / T(0), not the configured cost ratios."""
+    mon, reader, _ = monitor
+    rng = np.random.default_rng(3)
+    for _ in range(20):  # the domain is in control at k = K
+        mon.report(batch(rounds(rng, "code", 0.8, 100)))
+    ratios = {1: 1.2, 2: 1.5, K: 2.0}
+    mon.report(batch([], policy={"code": {"k": K, "alpha": 0.8, "round_time_ratio": ratios}}))
+    key = frozenset({"model": "demo-target", "replica": "r1", "domain": "code"}.items())
+    gauge = points(reader, "specserve.speculation.break_even_alpha")[key]
+    assert gauge == pytest.approx(break_even_alpha(K, 0.0, 2.0))
+    assert expected_tokens_per_round(gauge, K) == pytest.approx(2.0, rel=1e-6)
+    status = mon.detector.status("code")
+    assert status.state is DriftState.IN_CONTROL
+    assert status.k == K and status.break_even == pytest.approx(gauge, abs=1e-3)
+    # A k without a measurement falls back to the configured costs.
+    mon.report(batch([], policy={"code": {"k": 3, "alpha": 0.8, "round_time_ratio": ratios}}))
+    cfg = mon.detector.config
+    fallback = break_even_alpha(3, cfg.cost_ratio, cfg.verify_ratio)
+    assert points(reader, "specserve.speculation.break_even_alpha")[key] == fallback
 
 
 def test_policy_choices_become_gauges(monitor):

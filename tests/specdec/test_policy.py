@@ -121,6 +121,24 @@ def test_unmeasured_lengths_are_interpolated_from_measured_ones():
     assert policy.round_time(1, 0) == 1.0 and policy.round_time(2, 4) is None
 
 
+def test_state_reports_measured_round_time_ratios_of_the_domains_batch_size():
+    """What the drift detector's break-even is computed from: T(b, k) / T(b, 0) at the
+    batch size the domain last ran at (interpolated ks included)."""
+    policy = SpeculationLength(max_k=4, default_k=4)
+    assert policy.round_time_ratios(1) == {}  # nothing measured
+    for k, t in ((0, 1.0), (1, 1.2), (4, 2.0)):
+        policy.observe_round_time(1, k, t)
+        policy.observe_round_time(8, k, 2 * t + 1)
+    policy.choose("code", 8)
+    ratios = policy.state()["code"]["round_time_ratio"]
+    expected = {1: 3.4, 2: 3.4 + 1.6 / 3, 3: 3.4 + 3.2 / 3, 4: 5.0}
+    assert ratios == pytest.approx({k: t / 3 for k, t in expected.items()}, abs=1e-4)
+    policy.choose("code", 1)
+    assert policy.state()["code"]["round_time_ratio"] == pytest.approx(
+        {1: 1.2, 2: 1.2 + 0.8 / 3, 3: 1.2 + 1.6 / 3, 4: 2.0}, abs=1e-4
+    )
+
+
 def test_each_bucket_measures_its_anchor_lengths_then_remeasures_them():
     policy = SpeculationLength(max_k=6, default_k=3, explore_rounds=2, remeasure_every=50)
     plans = []
