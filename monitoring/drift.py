@@ -373,7 +373,9 @@ class DriftMonitor:
         T(0)``, and these take precedence over the configured cost ratios for the ks they
         cover. Several replicas report for one domain: the latest report counts."""
         clean = {
-            int(k): float(r) for k, r in ratios.items() if int(k) >= 1 and math.isfinite(r) and r > 0
+            int(k): float(r)
+            for k, r in ratios.items()
+            if int(k) >= 1 and math.isfinite(r) and r > 0
         }
         slot = self._slot(domain)
         if clean == self._measured.get(slot):
