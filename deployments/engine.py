@@ -150,7 +150,8 @@ class SpecEngine:
         # ``flush_interval_s``, from a task of their own: never from the round's path.
         self.telemetry, self.flush_interval_s, self.replica = telemetry, flush_interval_s, replica
         self._request_records: list[RequestRecord] = []
-        self._drift_cursor = 0  # drift alerts seen so far (the monitor numbers them)
+        # Drift alerts seen so far: (monitor epoch, count); None until the monitor answers.
+        self._drift_cursor: tuple[str, int] | None = None
         self.placement = placement_for(config)
         self.pg = placement_group
         self.tokenizer = tokenizer  # for text and stop strings (None: token ids only)

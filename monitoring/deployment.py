@@ -58,7 +58,7 @@ class MonitorDeployment:
         self.flushes = 0
 
     async def report(
-        self, batch: RoundBatch, requests: list[RequestRecord], cursor: int
+        self, batch: RoundBatch, requests: list[RequestRecord], cursor: tuple[str, int] | None
     ) -> tuple[list[tuple[str, float]], int]:
         """One replica's flush. Returns the drift alerts after ``cursor`` (as
         ``(domain, current alpha)``) and the cursor to send next time."""

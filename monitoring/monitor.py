@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -49,6 +50,10 @@ class Monitor:
         self.on_drift = on_drift  # e.g. a direct push to Alertmanager
         self.events: list[DriftEvent] = []  # alert changes, newest last (the last MAX_EVENTS)
         self._events_before = 0  # alert changes dropped from the front of ``events``
+        self._firing: dict[str, float] = {}  # domain -> current alpha at its firing alert
+        # Cursors carry it: a restarted monitor numbers its alerts from 0 again, and a
+        # replica's cursor from before must not skip (or replay) them.
+        self.epoch = uuid.uuid4().hex[:12]
 
     MAX_EVENTS = 1000
 
@@ -76,14 +81,19 @@ class Monitor:
     def report_request(self, record: RequestRecord) -> None:
         self.metrics.record_request(record)
 
-    def alerts_since(self, cursor: int) -> tuple[list[tuple[str, float]], int]:
-        """Alert changes after the ``cursor``-th, as ``(domain, current alpha)`` for the
-        replicas' length policies (a fire and a resolve both carry the latest estimate),
-        and the new cursor. A replica that fell more than MAX_EVENTS behind gets the
-        latest ones."""
-        start = max(0, cursor - self._events_before)
-        new = self.events[start:]
-        return [(e.domain, e.current) for e in new], self._events_before + len(self.events)
+    def alerts_since(
+        self, cursor: tuple[str, int] | None
+    ) -> tuple[list[tuple[str, float]], tuple[str, int]]:
+        """Alert changes after ``cursor``, as ``(domain, current alpha)`` for the replicas'
+        length policies (a fire and a resolve both carry the latest estimate), and the
+        cursor to send next time. A replica new to this monitor (no cursor, or one from a
+        monitor that has since restarted) gets only the alerts firing now, not history it
+        would misread as news. One that fell more than MAX_EVENTS behind gets the latest."""
+        end = (self.epoch, self._events_before + len(self.events))
+        if cursor is None or cursor[0] != self.epoch:
+            return list(self._firing.items()), end
+        start = max(0, cursor[1] - self._events_before)
+        return [(e.domain, e.current) for e in self.events[start:]], end
 
     def _break_even(self, k: int, round_time_ratio: float | None = None) -> float:
         """Break-even acceptance at ``k`` (0 at k = 0): from the replica's measured
@@ -98,6 +108,10 @@ class Monitor:
     def _alert(self, model: str, event: DriftEvent) -> None:
         firing = event.kind == "fire"
         self.events.append(event)
+        if firing:
+            self._firing[event.domain] = event.current
+        else:
+            self._firing.pop(event.domain, None)
         if len(self.events) > self.MAX_EVENTS:
             del self.events[0]
             self._events_before += 1

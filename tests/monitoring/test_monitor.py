@@ -100,6 +100,8 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     assert delay is not None, delay
     (fired,) = mon.events
     assert fired.kind == "fire" and fired.domain == "python" and fired.k == K
+    # A replica new to the monitor while it fires learns of the firing alert.
+    assert mon.alerts_since(None) == ([("python", fired.current)], (mon.epoch, 1))
     gauge = points(reader, "specserve.acceptance_drift")
     assert gauge[frozenset({"model": "demo-target", "domain": "python"}.items())] == 1
     for _ in range(60):
@@ -117,10 +119,15 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     assert attrs["specserve.current"] < 0.6
     assert {"specserve.rounds", "specserve.break_even"} <= set(attrs)
     # What replicas learn: each alert change once, in order, with the latest estimate.
-    alerts, cursor = mon.alerts_since(0)
-    assert [d for d, _ in alerts] == ["python", "python"] and cursor == 2
+    start = (mon.epoch, 0)  # a replica that flushed before the alert
+    alerts, cursor = mon.alerts_since(start)
+    assert [d for d, _ in alerts] == ["python", "python"] and cursor == (mon.epoch, 2)
     assert alerts[0][1] == pytest.approx(mon.events[0].current)
-    assert mon.alerts_since(cursor) == ([], 2)
+    assert mon.alerts_since(cursor) == ([], cursor)
+    # A new replica, or one whose cursor is from a monitor since restarted: no history,
+    # only what fires now (nothing: the alert resolved).
+    assert mon.alerts_since(None) == ([], cursor)
+    assert mon.alerts_since(("an-old-monitor", 1)) == ([], cursor)
 
 
 def test_acceptance_by_position_counts_only_rounds_that_reached_it(monitor):
