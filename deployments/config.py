@@ -292,8 +292,10 @@ class MonitoringConfig(_Strict):
     )
     domains: list[str] | None = Field(
         default=None,
-        description="Known domains; others go to overflow_domain. None: any name is "
-        "accepted until max_domains are in use, later ones go to overflow_domain.",
+        description="Known domains (the allow-list); others go to overflow_domain. None: "
+        "any name is accepted until max_domains are in use (first come, never expiring), "
+        "later ones go to overflow_domain. Set it when clients are not trusted: they "
+        "choose their domain names (see monitoring/README.md, Domains).",
     )
     max_domains: int = Field(
         default=64,

@@ -8,7 +8,9 @@ the tiny random model pair:
 * one engine, ``k = 4`` drafts per round, ``draft_confidence_threshold > 0`` (a row stops
   drafting at a doubtful token: dynamic draft lengths), 16 rows per round, serving one
   mixed, shuffled workload: greedy rows, T=1 rows, T=0.8 top-k/top-p rows, seeded rows
-  and rows whose requests ask for k = 1..4 (ragged draft counts at T > 0 in one batch);
+  and rows whose requests ask for k = 1..4 (ragged draft counts at T > 0 in one batch),
+  and T=1 rows without a k of their own, whose k the goodput length policy chooses round
+  by round from what it measured (``speculation.policy: goodput``, the product default);
 * ``L = 7`` output tokens per request: the prefill token and then rounds of up to
   ``k + 1 = 5`` tokens, so every draft position and the bonus land in the tested window
   (asserted, round by round, from each request's streamed stats);
@@ -79,7 +81,7 @@ GREEDY_PROMPTS = [[5, 9, 14], [30, 31, 32, 33, 34], [7], [60, 2, 61, 3, 62], [11
 
 # Sampled groups (the statistical tests) and their sizes; greedy and repeated seeded rows
 # ride in the same batches.
-SIZES = {"t1": 330, "ragged": 300, "seeded": 180, "filtered": 260}
+SIZES = {"t1": 330, "ragged": 300, "seeded": 180, "filtered": 260, "auto": 220}
 N_GREEDY = 120
 N_SEEDED_AGAIN = 80
 SEED0 = 7_000
@@ -100,7 +102,7 @@ class Job:
     group: str
     prompt: list[int]
     params: SamplingParams
-    k: int  # the request's num_speculative_tokens
+    k: int | None  # the request's num_speculative_tokens (None: the length policy's)
 
 
 @dataclass
@@ -120,6 +122,9 @@ def workload() -> list[Job]:
         Job("seeded", T1_PROMPT, replace(T1, seed=SEED0 + i), K) for i in range(SIZES["seeded"])
     ]
     jobs += [Job("filtered", F_PROMPT, FILTERED, K) for _ in range(SIZES["filtered"])]
+    # No k of their own: the goodput policy picks each round's k from the rounds before
+    # (acceptance so far, measured round times): a data-dependent length, still exact.
+    jobs += [Job("auto", T1_PROMPT, T1, None) for _ in range(SIZES["auto"])]
     jobs += [
         Job("greedy", GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)], GREEDY, 1 + i % K)
         for i in range(N_GREEDY)
@@ -170,7 +175,7 @@ def engine_run(ray_local, tiny_target, tiny_draft):
             "faults": {"restart_timeout_s": 60},
             "speculation": {
                 "mode": "overlap",
-                "policy": "fixed",
+                "policy": "goodput",  # for the "auto" rows; every other row sets its k
                 "num_speculative_tokens": K,
                 "speculation_width": 4,
                 "adaptive_overlap": False,  # tiny models: keep speculating so hits happen
@@ -218,7 +223,9 @@ def run_in_process(
             s.append([tok], None)
         while live := [s for s in seqs if not s.finished]:
             ks = [
-                max(0, min(jobs[s.seq_id].k, s.params.max_tokens - len(s.output_token_ids) - 1))
+                max(
+                    0, min(jobs[s.seq_id].k or K, s.params.max_tokens - len(s.output_token_ids) - 1)
+                )
                 for s in live
             ]
             drafts: list[list[int]] = [[] for _ in live]
@@ -329,8 +336,8 @@ class ExactLaw:
         self.probs = prob  # [M]
         self.index = {tuple(s): i for i, s in enumerate(self.seqs.tolist())}
 
-    def pvalues(self, samples: list[Sample]) -> dict[str, float]:
-        return {**self.sequence_pvalues(samples), **self.step_pvalues(samples)}
+    def pvalues(self, samples: list[Sample], every_step: bool = True) -> dict[str, float]:
+        return {**self.sequence_pvalues(samples), **self.step_pvalues(samples, every_step)}
 
     def sequence_pvalues(self, samples: list[Sample]) -> dict[str, float]:
         """Whole sequences (cells merged to expected >= 20) and each pair (x_{j-1}, x_j)
@@ -354,17 +361,20 @@ class ExactLaw:
             prev_law, prev_obs = self.seqs[:, j], seqs[:, j]
         return out
 
-    def step_pvalues(self, samples: list[Sample]) -> dict[str, float]:
+    def step_pvalues(self, samples: list[Sample], every_step: bool = True) -> dict[str, float]:
         """Every verification step against its exact law given its context.
 
         At a reached draft position with context ``c`` the draft proposes ``x ~ q_c`` and
         the step ends "accept x = t" with probability ``min(p_c, q_c)(t)`` or "reject,
         recover t" with ``max(0, p_c - q_c)(t)``; after all drafts are accepted the bonus
-        is ``t ~ p_c``. Which draft positions a round has depends only on earlier tokens
-        (the request's k, max_tokens, the confidence rule at the previous draft), so these
-        are the exact conditional laws whatever the round's length. One test per draft
-        position (``step_i``) and one for the bonus; contexts are pooled by the rank of
-        the observed outcome in its own law (a count where that law is 0 is conclusive).
+        is ``t ~ p_c``. Which draft positions a round has depends only on what came before
+        the round (the request's k or the length policy's choice, max_tokens, the
+        confidence rule at the previous draft), so these are the exact conditional laws
+        whatever the round's length. One test per draft position (``step_i``) and one
+        for the bonus; contexts are pooled by the rank of the observed outcome in its own
+        law (a count where that law is 0 is conclusive). ``every_step``: each position
+        and the bonus must have events (not for rows whose k the policy chose: it may
+        never choose the longest).
 
         Steps whose context the tree lacks (a prefix the target cannot produce: the
         sequence test already fails) or whose draft cut-off is a near-tie are left out;
@@ -392,6 +402,8 @@ class ExactLaw:
         groups["bonus"] = [e for e in events if e[0] == "bonus"]
         impossible = 0
         for name, evs in groups.items():
+            if not evs and not every_step:
+                continue
             assert evs, f"no {name} events: the window does not cover it"
             node = torch.tensor([e[2] for e in evs])
             tok = torch.tensor([e[3] for e in evs])
@@ -434,7 +446,7 @@ COUNTS = ("impossible", "impossible_steps", "steps_left_out")
 def family_pvalues(samples: list[Sample], group: str, laws) -> dict[str, float]:
     mine = [s for s in samples if s.job.group == group]
     assert len(mine) == SIZES[group]
-    out = laws["filtered" if group == "filtered" else "t1"].pvalues(mine)
+    out = laws["filtered" if group == "filtered" else "t1"].pvalues(mine, group != "auto")
     tests = [v for k, v in out.items() if k not in COUNTS]
     out["family"] = min(1.0, len(tests) * min(tests))  # Bonferroni over all of the above
     return out
@@ -487,7 +499,7 @@ def test_rounds_cover_every_draft_position_and_the_bonus(engine_run):
         assert len(s.tokens) == s.job.params.max_tokens
         seen = outcomes.setdefault(s.job.group, {})
         for start, c, a, hit in s.rounds:
-            assert c <= s.job.k and start + a < s.job.params.max_tokens
+            assert c <= (s.job.k or K) and start + a < s.job.params.max_tokens
             seen[c, a] = seen.get((c, a), 0) + 1
             hits += hit
             rounds += int(c > 0)
@@ -497,13 +509,15 @@ def test_rounds_cover_every_draft_position_and_the_bonus(engine_run):
     )
     for group, seen in sorted(outcomes.items()):
         print(f"[engine-law] {group}: (drafted, accepted) -> rounds {dict(sorted(seen.items()))}")
-    for group in SIZES:
+    for group in set(SIZES) - {"auto"}:
         # Ragged rows: only a quarter ask for k = 4, whose rarest outcomes the other
         # groups cover; every outcome of k = 1..3 must be there.
         ks = range(1, K) if group == "ragged" else [K]
         missing = [(c, a) for c in ks for a in range(c + 1) if (c, a) not in outcomes[group]]
         assert not missing, f"{group}: never exercised (drafted, accepted): {missing}"
     assert any(c == K for c, _ in outcomes["ragged"])
+    # The policy's rows drafted (its measurement rounds alone run k = 1 and k = 4).
+    assert sum(n for (c, _), n in outcomes["auto"].items() if c > 0) > 0
     assert hits > 0, "no round was served from the speculation cache"
     # The confidence rule shortened some k = 4 rounds before max_tokens did.
     assert any(
