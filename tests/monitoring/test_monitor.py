@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from opentelemetry._logs import SeverityNumber
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import InMemoryLogExporter, SimpleLogRecordProcessor
+from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -37,7 +37,7 @@ def batch(records, **kw):
 
 @pytest.fixture
 def monitor():
-    reader, logs = InMemoryMetricReader(), InMemoryLogExporter()
+    reader, logs = InMemoryMetricReader(), InMemoryLogRecordExporter()
     logger_provider = LoggerProvider()
     logger_provider.add_log_record_processor(SimpleLogRecordProcessor(logs))
     mon = Monitor(MeterProvider(metric_readers=[reader]), logger_provider, FAST)
