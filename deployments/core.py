@@ -48,6 +48,7 @@ from specdec.sequence import SequenceState
 from specdec.verify import VerifyRow, sample_next, verify_rows
 
 logger = logging.getLogger("specserve.core")
+POLICY_STATE_EVERY_S = 0.05  # how fresh the policy snapshot drain_telemetry returns is
 
 
 @dataclass
@@ -266,6 +267,7 @@ class EngineCore:
         self.policy = SpeculationLength(**length_policy) if length_policy else None
         self._forced: int | None = None  # this round's cost-measurement k, if any
         self._policy_state: dict[str, dict] = {}  # the policy's choices, for drain_telemetry
+        self._policy_state_at = float("-inf")  # when the loop last published them
         self._drift: list[tuple[str, float]] = []  # drift alerts for the policy, from calls
         # Round outcomes for the monitor, drained by the frontend (off the loop's path).
         self._telemetry = Telemetry() if telemetry else None
@@ -282,7 +284,8 @@ class EngineCore:
         self._pushes: dict[Hashable, dict[tuple, tuple]] = {}
         self._resync: set[Hashable] = set()
         self._give_up: set[Hashable] = set()  # the draft failed on these: target-only
-        self._dropped: list[Hashable] = []  # given up: the draft must free them
+        # Given up, or paused by the length policy (k = 0): the draft must free them.
+        self._dropped: list[Hashable] = []
         self._draft = None
         self._draft_first = True  # the next message starts a new draft
         self._out_cv = threading.Condition()
@@ -490,8 +493,8 @@ class EngineCore:
             seq = self._running[sid]
             if seq.state.finished:
                 self._free(sid)
-            elif seq.k > 0:
-                items.append(self._draft_item(seq))
+            elif seq.k > 0 and (item := self._draft_item(seq)) is not None:
+                items.append(item)
         if items or freed:
             self._message(self._round, items, freed)
 
@@ -603,9 +606,18 @@ class EngineCore:
             ),
         )
 
-    def _draft_item(self, seq: _Seq) -> tuple:
+    def _draft_item(self, seq: _Seq) -> tuple | None:
+        """What the draft needs for the sequence's next round, or None when the length
+        policy chose k = 0: then the draft forgets the sequence (no message per round,
+        no branches held; idle drafting only competes with verification for the cores)
+        and gets it back in full when the policy drafts for it again."""
         seq.k_next = self._k_for(seq)
         st = seq.state
+        if seq.k_next == 0 and seq.auto:
+            if seq.synced:
+                seq.synced = False
+                self._dropped.append(st.seq_id)
+            return None
         if seq.synced:
             return (st.seq_id, seq.base_len, list(seq.guess), seq.k_next, None, None)
         seq.synced = True
@@ -627,6 +639,7 @@ class EngineCore:
             for seq in self._running.values():
                 seq.synced = False
             items = [self._draft_item(seq) for seq in self._running.values() if seq.k > 0]
+            items = [item for item in items if item is not None]
         if not items and not freed:
             return  # (a first message stays first until one is sent: target-only rounds)
         with self._cv:
@@ -738,8 +751,8 @@ class EngineCore:
                 self._free(st.seq_id)
                 if seq.k > 0:
                     freed.append(st.seq_id)
-            elif seq.k > 0:  # target-only requests never concern the draft
-                items.append(self._draft_item(seq))
+            elif seq.k > 0 and (item := self._draft_item(seq)) is not None:
+                items.append(item)  # target-only requests never concern the draft
         freed += self._dropped
         self._dropped = []
         # First: the draft starts on it at once.
@@ -760,10 +773,18 @@ class EngineCore:
                 self.policy.observe_round(domain, drafted, a)
             self.policy.observe_round_time(len(seqs), planned, total_s)
         if self._telemetry is not None:
-            state = self.policy.state() if self.policy is not None else {}
+            # The policy's snapshot costs ~10 us per domain: published at most every
+            # POLICY_STATE_EVERY_S, and when the batch empties (its last word before idling).
+            state = None
+            now = time.monotonic()
+            if self.policy is not None and (
+                now - self._policy_state_at >= POLICY_STATE_EVERY_S or not self._running
+            ):
+                state, self._policy_state_at = self.policy.state(), now
             with self._cv:
                 self._telemetry.add(outcomes, committed, verify_s, waited, total_s)
-                self._policy_state = state
+                if state is not None:
+                    self._policy_state = state
 
     def _plan_next_round(self, batch_size: int) -> None:
         """Before the next round's draft lengths are chosen: drift alerts that came in,
