@@ -49,6 +49,9 @@ from specdec.verify import VerifyRow, sample_next, verify_rows
 
 logger = logging.getLogger("specserve.core")
 POLICY_STATE_EVERY_S = 0.05  # how fresh the policy snapshot drain_telemetry returns is
+# A row the length policy keeps at k = 0 this many rounds in a row leaves the draft (no
+# per-round messages, no branches); fewer, and it stays: resuming costs a full prefill.
+PAUSE_AFTER_ROUNDS = 8
 
 
 @dataclass
@@ -69,6 +72,8 @@ class RoundTimings:
     drafted_rows: int = 0  # sequence-rounds that carried drafts
     hits: int = 0  # ... whose drafts were prepared ahead (speculation-cache hits)
     draft_timeouts: int = 0
+    paused: int = 0  # rows the length policy took out of the draft (k = 0)
+    resumed: int = 0  # ... and sent to it again in full (drafting resumed)
 
     @property
     def overhead_s(self) -> float:
@@ -122,6 +127,9 @@ class _Seq:
     base_len: int = 0  # committed tokens before the last round's
     domain: str = "default"  # the traffic domain (policy and telemetry key)
     auto: bool = False  # k comes from the length policy, capped at ``k``
+    zero_rounds: int = 0  # consecutive rounds the policy chose k = 0 for it
+    paused: bool = False  # ... PAUSE_AFTER_ROUNDS of them: the draft was told to free it
+    resuming: bool = False  # sent in full after a pause: its next drafts start with a prefill
     # drafted, accepted, rounds with drafts, cache hits
     stats: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
@@ -413,6 +421,8 @@ class EngineCore:
                     self._give_up.add(seq_id)
                     self._resync.add(seq_id)
                     continue
+                if round_for < self._round:  # a round already past: nobody will use it
+                    continue
                 self._pushes.setdefault(seq_id, {})[(round_for, guess)] = (tokens, q, speculative)
             self._cv.notify_all()
 
@@ -607,17 +617,28 @@ class EngineCore:
         )
 
     def _draft_item(self, seq: _Seq) -> tuple | None:
-        """What the draft needs for the sequence's next round, or None when the length
-        policy chose k = 0: then the draft forgets the sequence (no message per round,
-        no branches held; idle drafting only competes with verification for the cores)
-        and gets it back in full when the policy drafts for it again."""
+        """What the draft needs for the sequence's next round, or None once the length
+        policy has kept it at k = 0 for PAUSE_AFTER_ROUNDS rounds: then the draft forgets
+        the sequence (no message per round, no branches held: idle drafting only competes
+        with verification for the cores) and gets it back in full when the policy drafts
+        for it again. Cost measurements at k = 0 (forced) do not count towards a pause."""
         seq.k_next = self._k_for(seq)
         st = seq.state
-        if seq.k_next == 0 and seq.auto:
-            if seq.synced:
-                seq.synced = False
+        if seq.k_next > 0 or not seq.auto:
+            seq.zero_rounds = 0
+        elif self._forced is None:
+            seq.zero_rounds += 1
+        if seq.k_next == 0 and seq.auto and (seq.paused or seq.zero_rounds >= PAUSE_AFTER_ROUNDS):
+            if not seq.paused:  # (freeing is idempotent: also when synced was lost)
+                seq.paused, seq.synced = True, False
                 self._dropped.append(st.seq_id)
+                self.timings.paused += 1
+                with self._cv:  # drafts prepared for it are worthless now
+                    self._pushes.pop(st.seq_id, None)
             return None
+        if seq.paused:
+            seq.paused, seq.resuming = False, True
+            self.timings.resumed += 1
         if seq.synced:
             return (st.seq_id, seq.base_len, list(seq.guess), seq.k_next, None, None)
         seq.synced = True
@@ -705,6 +726,11 @@ class EngineCore:
         found, waited = self._gather()
         seqs = list(self._running.values())
         planned = max((seq.k_next for seq in seqs), default=0)  # the k this round costs
+        # Rows back from a pause made the draft prefill their whole context first: this
+        # round's time says what resuming costs, not what a round at ``planned`` does.
+        resuming = any(seq.resuming and seq.k_next > 0 for seq in seqs)
+        for seq in seqs:
+            seq.resuming = False
         rows, feeds = [], []
         for seq in seqs:
             tokens, q, speculative = found.get(seq.state.seq_id, ([], None, False))
@@ -771,7 +797,8 @@ class EngineCore:
         if self.policy is not None:
             for domain, drafted, a, _hit in outcomes:
                 self.policy.observe_round(domain, drafted, a)
-            self.policy.observe_round_time(len(seqs), planned, total_s)
+            if not resuming:
+                self.policy.observe_round_time(len(seqs), planned, total_s)
         if self._telemetry is not None:
             # The policy's snapshot costs ~10 us per domain: published at most every
             # POLICY_STATE_EVERY_S, and when the batch empties (its last word before idling).

@@ -454,8 +454,9 @@ class SpecEngine:
                 logger.exception("telemetry flush failed")
 
     async def _flush_once(self) -> None:
+        target = self.target  # the cursor below is this core's: see _replace_target
         try:
-            drained = await self._call(self.target.drain_telemetry.remote())
+            drained = await self._call(target.drain_telemetry.remote())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a target being replaced: the poller handles it
@@ -487,15 +488,18 @@ class SpecEngine:
         except Exception as exc:
             logger.warning("the monitor did not take telemetry: %r", exc)
             return
+        if self.target is not target:  # replaced meanwhile: the new core starts afresh
+            return
         if alerts:
             try:
-                await self._call(self.target.on_drift.remote(alerts))
+                await self._call(target.on_drift.remote(alerts))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the cursor: the alerts come again next flush
                 logger.warning("could not hand drift alerts to the core: %r", exc)
                 return
-        self._drift_cursor = cursor
+        if self.target is target:
+            self._drift_cursor = cursor
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:
@@ -595,6 +599,7 @@ class SpecEngine:
             ray.kill(self.target, no_restart=True)
             self._replacing_target = True
             self.target = self._spawn_target()
+            self._drift_cursor = None  # a new core's policy: only the alerts firing now
             try:
                 self.target_info = await self._await_ready(self.target)
             except Exception as exc:  # any failure of the new core: try another one

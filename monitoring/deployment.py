@@ -59,7 +59,7 @@ class MonitorDeployment:
 
     async def report(
         self, batch: RoundBatch, requests: list[RequestRecord], cursor: tuple[str, int] | None
-    ) -> tuple[list[tuple[str, float]], int]:
+    ) -> tuple[list[tuple[str, float]], tuple[str, int]]:
         """One replica's flush. Returns the drift alerts after ``cursor`` (as
         ``(domain, current alpha)``) and the cursor to send next time."""
         self.flushes += 1

@@ -371,15 +371,16 @@ class DriftMonitor:
         """Measured round times of the domain's serving engine, ``T(k) / T(0)`` per k
         (the length policy's measurements): break-even at k is then ``E(α, k) = T(k) /
         T(0)``, and these take precedence over the configured cost ratios for the ks they
-        cover. Several replicas report for one domain: the latest report counts."""
+        cover. Changes under 1 % are ignored."""
         clean = {
             int(k): float(r)
             for k, r in ratios.items()
             if int(k) >= 1 and math.isfinite(r) and r > 0
         }
         slot = self._slot(domain)
-        if clean == self._measured.get(slot):
-            return
+        old = self._measured.get(slot, {})
+        if old.keys() == clean.keys() and all(abs(clean[k] / old[k] - 1) < 0.01 for k in old):
+            return  # within 1 %: measurement noise, not worth moving the hypothesis
         self._measured[slot] = clean
         self._refresh(slot)
 

@@ -51,6 +51,7 @@ class Monitor:
         self.events: list[DriftEvent] = []  # alert changes, newest last (the last MAX_EVENTS)
         self._events_before = 0  # alert changes dropped from the front of ``events``
         self._firing: dict[str, float] = {}  # domain -> current alpha at its firing alert
+        self._ratios: dict[str, dict[str, dict[int, float]]] = {}  # domain -> replica -> T(k)/T(0)
         # Cursors carry it: a restarted monitor numbers its alerts from 0 again, and a
         # replica's cursor from before must not skip (or replay) them.
         self.epoch = uuid.uuid4().hex[:12]
@@ -63,7 +64,7 @@ class Monitor:
         for domain, choice in batch.policy.items():
             ratios = choice.get("round_time_ratio") or {}
             if ratios:
-                self.detector.set_round_time_ratios(domain, ratios)
+                self._set_ratios(batch.replica, domain, ratios)
             k = choice.get("k")
             if k is not None:
                 be = self._break_even(k, ratios.get(k))
@@ -94,6 +95,20 @@ class Monitor:
             return list(self._firing.items()), end
         start = max(0, cursor[1] - self._events_before)
         return [(e.domain, e.current) for e in self.events[start:]], end
+
+    def _set_ratios(self, replica: str, domain: str, ratios: dict[int, float]) -> None:
+        """The detector's break-even for a domain from every replica's latest measured
+        ``T(k) / T(0)``, averaged per k (replicas at different batch sizes disagree; the
+        latest report alone would flip the alternative hypothesis from flush to flush)."""
+        by_replica = self._ratios.setdefault(domain, {})
+        by_replica[replica] = ratios
+        ks = {k for r in by_replica.values() for k in r}
+        mean = {
+            k: sum(r[k] for r in by_replica.values() if k in r)
+            / sum(1 for r in by_replica.values() if k in r)
+            for k in ks
+        }
+        self.detector.set_round_time_ratios(domain, mean)
 
     def _break_even(self, k: int, round_time_ratio: float | None = None) -> float:
         """Break-even acceptance at ``k`` (0 at k = 0): from the replica's measured
@@ -136,10 +151,12 @@ class Monitor:
     def acknowledge(self, domain: str) -> None:
         """An operator accepts the new level: the domain learns a new baseline."""
         self.detector.acknowledge(domain)
+        self._firing.pop(domain, None)  # (no resolve follows: new replicas must not hear it)
 
     def new_draft_deployed(self) -> None:
         """A new draft changes every domain's acceptance: learn all baselines again."""
         self.detector.rebaseline_all()
+        self._firing.clear()
 
     def shutdown(self) -> None:
         self.meter_provider.shutdown()

@@ -313,7 +313,9 @@ class SpeculationLength:
             ]
             if stale:
                 c.forced = stale[0]
-                c.forced_left = max(1, self.explore_rounds - c.count.get(c.forced, 0))
+                # Two rounds at least: the first after a change of k may be unrepresentative
+                # (the engine does not report it: rows resuming drafting prefill first).
+                c.forced_left = max(2, self.explore_rounds - c.count.get(c.forced, 0))
                 c.tries[c.forced] = c.tries.get(c.forced, 0) + c.forced_left
                 c.tries_at[c.forced] = c.rounds
         if c.forced is None:

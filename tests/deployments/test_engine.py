@@ -653,13 +653,18 @@ def test_draft_vocabulary_mismatch_is_a_startup_error(ray_local, tiny_target, tm
     assert engine.status == "unavailable"
 
 
+LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+
 def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
     ray_local, tiny_target, reference
 ):
     """The goodput policy picks k per round (0..4, cost measurements included): greedy
     output stays the target's; the engine's telemetry reaches its sink with the rounds,
     the policy's choices and the finished requests; a drift alert sent to the core turns
-    the domain's speculation off (alpha 0: no k pays) from the next rounds on."""
+    the domain's speculation off (alpha 0: no k pays) from the next rounds on; rows kept
+    at k = 0 leave the draft, and come back (sent in full) when the domain recovers, mid
+    request, with the output still the target's and nothing left behind."""
     # The target drafts for itself: acceptance 1, so speculation pays until the alert says
     # acceptance is 0 (with a weak draft the policy would choose k = 0 anyway).
     cfg = config(
@@ -690,7 +695,17 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
         await engine.target.on_drift.remote([("a", 0.0)])
         after = [await collect(engine, p, GREEDY, domain="a") for p in PROMPTS[:6]]
         await asyncio.sleep(0.5)
-        return results, after, before
+        paused = (await engine.round_timings())["paused"]
+        mid = len(batches)
+        # Recovery mid request: paused at k = 0, then an alert with alpha 1 brings drafting
+        # back (the draft gets the whole sequence again) before the request ends.
+        tokens, sent = [], False
+        async for out in engine.generate(PROMPTS[0], LONG, domain="a"):
+            tokens += out.new_token_ids
+            if not sent and len(tokens) >= 12:  # paused after 8 rounds; 288 rounds to go
+                sent = await engine.target.on_drift.remote([("a", 1.0)]) or True
+        resumed = await engine.round_timings()
+        return results, after, (before, mid), paused, (tokens, resumed), await held_after(engine)
 
     async def run():
         engine = SpecEngine(cfg, telemetry=sink, flush_interval_s=0.2, replica="r")
@@ -700,7 +715,7 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
         finally:
             await engine.shutdown()
 
-    results, after, before = asyncio.run(run())
+    results, after, (before, mid), paused, (resumed_tokens, timings), held = asyncio.run(run())
     for p, (tokens, _last) in zip(PROMPTS[:6], results, strict=True):
         assert tokens == reference[tuple(p)]
     rounds = [r for b in batches for r in b.rounds]
@@ -716,9 +731,14 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
     for p, (tokens, _last) in zip(PROMPTS[:6], after, strict=True):
         assert tokens == reference[tuple(p)]
     assert any(r.domain == "a" and r.drafted > 0 for b in batches[:before] for r in b.rounds)
-    late = [r for b in batches[before:] for r in b.rounds if r.domain == "a"]
-    assert sum(b.committed.get("a", 0) for b in batches[before:]) >= 6 * (GREEDY.max_tokens - 1)
+    late = [r for b in batches[before:mid] for r in b.rounds if r.domain == "a"]
+    assert sum(b.committed.get("a", 0) for b in batches[before:mid]) >= 6 * (GREEDY.max_tokens - 1)
     assert all(r.drafted == 0 for r in late), [r.drafted for r in late]
-    policies = [b.policy for b in batches if b.policy]
+    policies = [b.policy for b in batches[:mid] if b.policy]
     assert policies[-1]["a"]["k"] == 0
+    assert paused >= 6  # each request at k = 0 left the draft after PAUSE_AFTER_ROUNDS
+    runner = ModelRunner(tiny_target)
+    assert resumed_tokens == generate_autoregressive(runner, PROMPTS[0], LONG).token_ids
+    assert timings["resumed"] >= 1 and timings["paused"] >= paused + 1
+    assert_nothing_held(held)
     assert max(p["b"]["k"] for p in policies if "b" in p) > 0  # no alert: b speculates

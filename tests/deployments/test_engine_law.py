@@ -224,7 +224,11 @@ def run_in_process(
         while live := [s for s in seqs if not s.finished]:
             ks = [
                 max(
-                    0, min(jobs[s.seq_id].k or K, s.params.max_tokens - len(s.output_token_ids) - 1)
+                    0,
+                    min(
+                        K if jobs[s.seq_id].k is None else jobs[s.seq_id].k,
+                        s.params.max_tokens - len(s.output_token_ids) - 1,
+                    ),
                 )
                 for s in live
             ]
@@ -499,7 +503,7 @@ def test_rounds_cover_every_draft_position_and_the_bonus(engine_run):
         assert len(s.tokens) == s.job.params.max_tokens
         seen = outcomes.setdefault(s.job.group, {})
         for start, c, a, hit in s.rounds:
-            assert c <= (s.job.k or K) and start + a < s.job.params.max_tokens
+            assert c <= (K if s.job.k is None else s.job.k) and start + a < s.job.params.max_tokens
             seen[c, a] = seen.get((c, a), 0) + 1
             hits += hit
             rounds += int(c > 0)

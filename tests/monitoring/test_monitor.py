@@ -110,6 +110,7 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
         mon.report(batch(rounds(rng, "python", 0.75, 20) + rounds(rng, "prose", 0.75, 20)))
     assert [e.kind for e in mon.events] == ["fire", "resolve"]
     assert gauge_value(reader, "python") == 0
+    assert mon.alerts_since(None)[0] == []  # resolved: nothing firing for new replicas
     records = [r.log_record for r in logs.get_finished_logs()]
     assert [r.event_name for r in records] == [DRIFT_EVENT, DRIFT_EVENT]
     assert [r.severity_number for r in records] == [SeverityNumber.WARN, SeverityNumber.INFO]
@@ -164,6 +165,16 @@ def test_break_even_comes_from_measured_round_times(monitor):
     status = mon.detector.status("code")
     assert status.state is DriftState.IN_CONTROL
     assert status.k == K and status.break_even == pytest.approx(gauge, abs=1e-3)
+    # Another replica at another batch size: the detector takes the mean per k.
+    other = RoundBatch(
+        model="demo-target",
+        replica="r2",
+        policy={"code": {"k": K, "alpha": 0.8, "round_time_ratio": {K: 3.0}}},
+    )
+    mon.report(other)
+    assert mon.detector.status("code").break_even == pytest.approx(
+        break_even_alpha(K, 0.0, 2.5), abs=1e-3
+    )
     # A k without a measurement falls back to the configured costs.
     mon.report(batch([], policy={"code": {"k": 3, "alpha": 0.8, "round_time_ratio": ratios}}))
     cfg = mon.detector.config
@@ -236,3 +247,20 @@ def test_prometheus_endpoint_names_and_bounded_cardinality():
     # 30 domains, at most 8 series plus the overflow series that holds the rest.
     assert len(drafts) <= 8 + 1 and any('otel_metric_overflow="true"' in line for line in drafts)
     assert 'gen_ai_operation_name="chat"' in text
+
+
+def test_an_acknowledged_alert_is_not_sent_to_new_replicas(monitor):
+    """Acknowledging ends an alert without a resolve: replicas that join later must not
+    be told the old, low acceptance (it would switch their speculation off)."""
+    mon, _, _ = monitor
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        mon.report(batch(rounds(rng, "python", 0.8, 100)))
+    for _ in range(50):
+        if mon.events:
+            break
+        mon.report(batch(rounds(rng, "python", 0.3, 20)))
+    assert [e.kind for e in mon.events] == ["fire"]
+    assert [d for d, _ in mon.alerts_since(None)[0]] == ["python"]
+    mon.acknowledge("python")
+    assert mon.alerts_since(None)[0] == []
