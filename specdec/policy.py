@@ -405,12 +405,13 @@ class SpeculationLength:
     def state(self) -> dict[str, dict]:
         """Per domain: the last chosen k, α̂ and the measured round-time ratios of its
         batch size (for the gauges, the drift detector's break-even and the stats)."""
-        return {
-            name: {
-                "k": d.k,
-                "alpha": self.alpha(name),
-                "round_time_ratio": self.round_time_ratios(d.batch_size),
-            }
-            for name, d in self._domains.items()
-            if d.k is not None
-        }
+        ratios: dict[int, dict[int, float]] = {}  # per bucket: domains share their costs
+        out = {}
+        for name, d in self._domains.items():
+            if d.k is None:
+                continue
+            bucket = batch_bucket(d.batch_size)
+            if bucket not in ratios:
+                ratios[bucket] = self.round_time_ratios(d.batch_size)
+            out[name] = {"k": d.k, "alpha": self.alpha(name), "round_time_ratio": ratios[bucket]}
+        return out
