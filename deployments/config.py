@@ -73,7 +73,13 @@ class WorkerResources(_Strict):
     """Ray resources of one worker actor, turned into a placement-group bundle."""
 
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved for the worker.")
-    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved for the worker.")
+    num_gpus: float = Field(
+        default=0.0,
+        ge=0,
+        description="GPUs reserved for the worker: at most 1 (a fraction shares one). A "
+        "worker runs its model on one device; spreading one model over several GPUs "
+        "(tensor or pipeline parallel) is not supported, so more would sit idle.",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom resources, e.g. {'target': 1} to pin the worker to labelled nodes.",
@@ -82,6 +88,18 @@ class WorkerResources(_Strict):
         default=None,
         description="Ray accelerator type, e.g. 'H100'; becomes a resource constraint.",
     )
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_device(cls, value: float) -> float:
+        if value > 1:
+            raise ValueError(
+                f"num_gpus = {value:g}: a worker runs its model on one GPU (spreading a model "
+                "over several, tensor or pipeline parallel, is not supported), so the others "
+                "would sit idle; use num_gpus <= 1 (a smaller dtype or a smaller model if it "
+                "does not fit)"
+            )
+        return value
 
 
 class SpeculationConfig(_Strict):
@@ -154,8 +172,18 @@ class SchedulerConfig(_Strict):
 class FaultConfig(_Strict):
     """What to do when a worker dies or hangs."""
 
+    startup_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="How long each worker may take to download and load its model when the "
+        "replica starts (draft and target load at the same time; a 16 GB checkpoint from the "
+        "hub takes minutes). Progress is logged every 30 s.",
+    )
     restart_timeout_s: float = Field(
-        default=120.0, gt=0, description="How long a replacement worker may take to load."
+        default=600.0,
+        gt=0,
+        description="How long a replacement worker may take to load (its weights are usually "
+        "in the node's cache by then).",
     )
     max_target_restarts: int = Field(
         default=2, ge=0, description="Target replacements per engine before requests fail."

@@ -346,9 +346,12 @@ class EngineCore:
             self._cv.notify_all()
 
     @ray.method(concurrency_group="control")
-    def set_draft(self, draft) -> None:
-        """Use this draft actor from now on (None: serve target-only until one comes)."""
+    def set_draft(self, draft, max_model_len: int | None = None) -> None:
+        """Use this draft actor from now on (None: serve target-only until one comes);
+        ``max_model_len``: the draft's context limit (no drafts past it)."""
         with self._cv:
+            if max_model_len:
+                self.draft_max_model_len = max_model_len
             self._draft = draft
             self._draft_first = True
             self._cv.notify_all()

@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 POLL_TIMEOUT_S = 1.0
+LOAD_LOG_PERIOD_S = 30.0  # how often a slow model load is reported in the logs
 MAX_PENDING_RECORDS = 10_000
 CANCELLED = (
     "GeneratorExit",
@@ -243,28 +244,83 @@ class SpecEngine:
         return await asyncio.wait_for(ref, timeout=self.config.faults.call_timeout_s + extra_s)
 
     async def start(self) -> None:
-        """Create the workers, wait until both have loaded their models, connect them."""
-        if self.config.draft is not None:
+        """Create both workers, wait until both have loaded their models, connect them.
+
+        Draft and target load at the same time (a large checkpoint takes minutes to
+        download and load), each for at most ``faults.startup_timeout_s``; while they
+        load, progress is logged every 30 s. A worker that fails to start fails the
+        engine with its reason (Serve then reports the deployment as failed)."""
+        cfg = self.config
+        if cfg.draft is not None:
             self.draft = self._spawn_draft()
-            self.draft_info = await self._await_ready(self.draft)
         self.target = self._spawn_target()
-        self.target_info = await self._await_ready(self.target)
+        workers = {"target": self.target}
         if self.draft is not None:
-            if self.draft_info["vocab_size"] != self.target_info["vocab_size"]:
-                await self.shutdown()
-                raise EngineError(
-                    f"draft vocabulary ({self.draft_info['vocab_size']}) differs from the "
-                    f"target's ({self.target_info['vocab_size']}): the pair cannot speculate"
+            workers["draft"] = self.draft
+        results = await self._load(workers, cfg.faults.startup_timeout_s)
+        failed = {name: r for name, r in results.items() if isinstance(r, BaseException)}
+        if failed:
+            await self.shutdown()
+            raise EngineError(
+                "; ".join(
+                    f"the {name} worker ({getattr(cfg, name).model}) failed to start: "
+                    f"{_startup_cause(exc, cfg.faults.startup_timeout_s)}"
+                    for name, exc in failed.items()
                 )
-            await self._connect(self.target, self.draft)
+            )
+        self.target_info = results["target"]
+        if self.draft is not None:
+            self.draft_info = results["draft"]
+            await self._connect(self.target, self.draft, self.draft_info)
             self._tasks.append(asyncio.create_task(self._watch_draft(self.draft)))
         self._tasks.append(asyncio.create_task(self._poll()))
         if self.telemetry is not None:
             self._tasks.append(asyncio.create_task(self._flush_telemetry()))
 
-    async def _connect(self, core, draft) -> None:
-        await self._call(draft.set_core.remote(core))
-        await self._call(core.set_draft.remote(draft))
+    async def _load(self, workers: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Each worker's ``ready`` info (or the exception it raised), all awaited at once."""
+        started = time.monotonic()
+        tasks = {
+            name: asyncio.ensure_future(asyncio.wait_for(actor.ready.remote(), timeout_s))
+            for name, actor in workers.items()
+        }
+        pending = set(tasks.values())
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=LOAD_LOG_PERIOD_S)
+            if pending:
+                loading = [n for n, t in tasks.items() if t in pending]
+                logger.info(
+                    "still loading %s (%.0f s of at most %.0f s)",
+                    " and ".join(f"{n} {getattr(self.config, n).model}" for n in loading),
+                    time.monotonic() - started,
+                    timeout_s,
+                )
+        out = {}
+        for name, task in tasks.items():
+            exc = task.exception()
+            out[name] = exc if exc is not None else task.result()
+            if exc is None:
+                logger.info(
+                    "%s %s loaded on node %s (%s) after %.1f s",
+                    name,
+                    getattr(self.config, name).model,
+                    out[name]["node_id"],
+                    out[name]["device"],
+                    time.monotonic() - started,
+                )
+        return out
+
+    def _vocab_limit(self, draft_info: dict[str, Any]) -> int:
+        """Ids the draft may propose: rows both models have and, with a tokenizer, real
+        tokens only (embedding rows past the tokenizer's size are padding)."""
+        limit = min(self.target_info["vocab_size"], draft_info["vocab_size"])
+        if self.tokenizer is not None:
+            limit = min(limit, len(self.tokenizer))
+        return limit
+
+    async def _connect(self, core, draft, draft_info: dict[str, Any]) -> None:
+        await self._call(draft.set_core.remote(core, self._vocab_limit(draft_info)))
+        await self._call(core.set_draft.remote(draft, draft_info.get("max_model_len")))
 
     @property
     def ready(self) -> bool:
@@ -615,7 +671,7 @@ class SpecEngine:
                     self._start_draft_replacement("its target was replaced")
                 else:
                     try:
-                        await self._connect(self.target, self.draft)
+                        await self._connect(self.target, self.draft, self.draft_info)
                     except Exception as exc:  # the draft's problem, not the new target's
                         self._start_draft_replacement(f"it could not reconnect: {exc!r}")
             live = [r.core_item() for r in self._requests.values() if not r.finished]
@@ -688,7 +744,7 @@ class SpecEngine:
                 actor = self._spawn_draft()
                 try:
                     info = await self._await_ready(actor)
-                    await self._connect(self.target, actor)
+                    await self._connect(self.target, actor, info)
                 except asyncio.CancelledError:
                     ray.kill(actor, no_restart=True)
                     raise
@@ -711,6 +767,16 @@ class SpecEngine:
                 return
         finally:
             self._draft_restarting = None
+
+
+def _startup_cause(exc: BaseException, timeout_s: float) -> str:
+    """What made a worker fail to start, in one line (a Ray task error's cause, not its
+    remote traceback)."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"not loaded within faults.startup_timeout_s = {timeout_s:.0f} s"
+    cause = getattr(exc, "cause", None) or exc
+    text = f"{type(cause).__name__}: {cause}"
+    return text.strip().splitlines()[-1] if "Traceback" in text else text.strip()
 
 
 def _detokenize(detok: IncrementalDetokenizer, new: list[int], final: bool):

@@ -153,7 +153,11 @@ class OpenAIServing:
                 raise bad_request(
                     "this model has no tokenizer: send token ids", "invalid_value", "prompt"
                 )
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            # As the model's tokenizer does by default, and as vLLM does: BOS in front for
+            # Llama and Gemma (their outputs depend on it), nothing for GPT-2 or Qwen.
+            # Token-id prompts are taken as given; chat templates render their own BOS
+            # and are tokenized without adding another.
+            return self.tokenizer(prompt)["input_ids"]
         ids = list(prompt)
         vocab = self.engine.target_info.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in ids):

@@ -49,14 +49,27 @@ def configure_thread(spec: ModelSpec) -> None:
 def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-    return ModelRunner(
+    device = _device(spec)
+    logger.info("loading %s (%s) on %s", spec.model, spec.dtype, device)
+    started = time.monotonic()
+    runner = ModelRunner(
         spec.model,
         dtype=spec.dtype,
-        device=_device(spec),
+        device=device,
         max_num_seqs=max_num_seqs,
         max_model_len=spec.max_model_len,
         trust_remote_code=spec.trust_remote_code,
     )
+    size = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    logger.info(
+        "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d",
+        spec.model,
+        time.monotonic() - started,
+        size / 1e9,
+        runner.vocab_size,
+        runner.max_model_len,
+    )
+    return runner
 
 
 def worker_info(runner: ModelRunner) -> dict[str, Any]:
@@ -127,9 +140,15 @@ class DraftWorker:
         return worker_info(self.runner)
 
     @ray.method(concurrency_group="io")
-    def set_core(self, core) -> None:
+    def set_core(self, core, vocab_limit: int | None = None) -> None:
+        """Draft for ``core`` from now on, proposing only ids below ``vocab_limit`` (the
+        ids the pair shares; see :class:`specdec.proposers.DraftModelProposer`)."""
         with self._cv:
             self._core = core
+            proposer = self.drafter.proposer
+            proposer.vocab_limit = min(
+                vocab_limit or proposer.runner.vocab_size, proposer.runner.vocab_size
+            )
 
     @ray.method(concurrency_group="io")
     def on_round(self, msg_no: int, first: bool, *payload) -> None:

@@ -108,6 +108,8 @@ def generate_speculative(
         logits = target.forward([seq_id], [[seq.last_token_id, *drafts]])[0]  # [n + 1, vocab]
         p = probs_for([params], logits[None])  # [1, n + 1, vocab]
         q = proposal.draft_probs[:, :n] if proposal.draft_probs is not None else None
+        if q is not None and q.shape[-1] < logits.shape[-1]:  # a draft over fewer ids
+            q = torch.nn.functional.pad(q, (0, logits.shape[-1] - q.shape[-1]))
         if q is None and proposal.kind == "probs":  # greedy: q is the point mass at each draft
             q = torch.nn.functional.one_hot(proposal.draft_token_ids[:, :n], logits.shape[-1])
             q = q.float()

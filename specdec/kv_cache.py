@@ -16,7 +16,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+# The transformers minor version this cache was written and tested against: it subclasses
+# ``Cache``/``CacheLayerMixin``, whose internals changed within 5.x. pyproject.toml pins
+# the same minor; :func:`check_transformers_version` refuses any other at load time.
+TRANSFORMERS_MINOR = (5, 23)
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    """Raise unless ``version`` is the transformers minor the slot cache was built on."""
+    parts = version.split(".")
+    try:
+        minor = (int(parts[0]), int(parts[1]))
+    except (ValueError, IndexError):
+        minor = None
+    if minor != TRANSFORMERS_MINOR:
+        want = ".".join(map(str, TRANSFORMERS_MINOR))
+        raise RuntimeError(
+            f"transformers {version} is installed, but SpecServe's KV cache "
+            f"(specdec/kv_cache.py) subclasses transformers internals of {want}.x, which "
+            f"change between minor versions: install transformers=={want}.* (pyproject.toml "
+            "pins it)"
+        )
 
 
 @dataclass

@@ -56,8 +56,18 @@ class DraftModelProposer(Proposer):
 
     kind: ProposalKind = "probs"
 
-    def __init__(self, runner: ModelRunner, min_confidence: float = 0.0):
-        """``min_confidence`` > 0 ends a row's drafts at the first token the draft itself
+    def __init__(
+        self, runner: ModelRunner, min_confidence: float = 0.0, vocab_limit: int | None = None
+    ):
+        """``vocab_limit``: the draft proposes only ids below it, the ids it shares with
+        the target (the target tokenizer's size; embedding rows past it are padding,
+        Qwen 2.5: 151936 or 152064 rows over 151665 tokens). ``q`` is then
+        ``[..., vocab_limit]`` wide: zero on every other target id, which is exact. A
+        committed id the draft's embedding has no row for (the target may sample one of
+        its padding rows) is fed as id 0: what the draft conditions on only shapes ``q``,
+        never the law of the output.
+
+        ``min_confidence`` > 0 ends a row's drafts at the first token the draft itself
         gives less than this probability (that token is still proposed), as transformers'
         assisted generation does: a confident draft proposes long runs, a doubtful one
         stops early. The rule looks only at the draft's own randomness, never at the
@@ -66,6 +76,7 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.runner = runner
         self.min_confidence = min_confidence
+        self.vocab_limit = min(vocab_limit or runner.vocab_size, runner.vocab_size)
         self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
 
     def free(self, seq_id: Hashable) -> None:
@@ -91,10 +102,16 @@ class DraftModelProposer(Proposer):
         """
         ids = [s.seq_id for s in seqs]
         feed = [self._sync(s) for s in seqs]
-        logits = self.runner.forward_padded(ids, feed, last_only=True)  # [batch, vocab]
+        logits = self._logits(ids, feed)  # [batch, vocab_limit]
         for sid, toks in zip(ids, feed, strict=True):
             self._cached[sid].extend(toks)
         return _top(logits, m)
+
+    def _logits(self, ids: list[Hashable], feed: list[list[int]]) -> torch.Tensor:
+        """Last-position logits over the shared ids: ``[batch, vocab_limit]``."""
+        rows = self.runner.input_vocab_size
+        feed = [t if max(t) < rows else [x if x < rows else 0 for x in t] for t in feed]
+        return self.runner.forward_padded(ids, feed, last_only=True)[:, : self.vocab_limit]
 
     def _sync(self, seq: SequenceState) -> list[int]:
         """Roll the draft cache back to the committed prefix; return the tokens to feed."""
@@ -139,7 +156,7 @@ class DraftModelProposer(Proposer):
         draft = torch.zeros(batch, k, dtype=torch.long)
         counts = torch.full((batch,), k, dtype=torch.long)
         sampling = any(not sp.is_greedy for sp in params)
-        probs = torch.zeros(batch, k, self.runner.vocab_size) if sampling else None
+        probs = torch.zeros(batch, k, self.vocab_limit) if sampling else None
         top_ids = torch.zeros(batch, k, top_m, dtype=torch.long) if top_m else None
         top_p = torch.zeros(batch, k, top_m) if top_m else None
         feed = [self._sync(s) for s in seqs]
@@ -148,9 +165,8 @@ class DraftModelProposer(Proposer):
             if should_stop is not None and should_stop():
                 return None
             rows = slice(None) if len(active) == batch else torch.tensor(active)
-            logits = self.runner.forward_padded(
-                [ids[r] for r in active], [feed[r] for r in active], last_only=True
-            )  # [active, vocab]
+            logits = self._logits([ids[r] for r in active], [feed[r] for r in active])
+            # logits: [active, vocab_limit]
             lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
             if top_m:  # the likeliest token heads the top-m: no separate argmax
                 top_ids[rows, i], top_p[rows, i] = _top(logits, top_m, lse)  # [active, m]

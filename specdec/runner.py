@@ -15,7 +15,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdec.kv_cache import BatchLayout, SlotKVCache
+from specdec.attention import attention_layout, build_masks, decoder_config
+from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,7 +26,9 @@ class ModelRunner:
 
     ``model`` is any Hugging Face hub id or local directory loadable with
     ``AutoModelForCausalLM.from_pretrained``; ``trust_remote_code`` stays off unless the
-    caller turns it on. The slot cache assumes full (non-sliding-window) attention.
+    caller turns it on. Sliding-window layers get their window in every mask the runner
+    builds (:mod:`specdec.attention`); a config with layer types it cannot mask raises
+    :class:`specdec.attention.UnsupportedModelError` before any weight is loaded.
     """
 
     def __init__(
@@ -39,23 +42,26 @@ class ModelRunner:
         trust_remote_code: bool = False,
         initial_capacity: int = 256,
     ):
+        check_transformers_version()
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
         self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model,
-            dtype=_DTYPES[dtype],
-            trust_remote_code=trust_remote_code,
-            attn_implementation="sdpa",
-        ).to(self.device)
+        self.attention = attention_layout(self.config)  # refuses what it cannot mask
+        self.model = _load_model(model, _DTYPES[dtype], trust_remote_code).to(self.device)
         self.model.eval()
-        limit = _context_limit(self.config)
+        # Eager attention adds the mask to its scores; SDPA takes a boolean one.
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        self._mask_dtype = self.model.dtype if impl == "eager" else None
+        limit = _context_limit(decoder_config(self.config))
         self.max_model_len = min(max_model_len or limit, limit)
         self.max_num_seqs = max_num_seqs
+        # Rows of the LM head (logits width) and of the input embedding (ids it can read):
+        # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.cache = SlotKVCache(
-            num_layers=self.config.num_hidden_layers,
+            num_layers=self.attention.num_layers,
             num_slots=1,
             capacity=min(initial_capacity, self.max_model_len + 16),
         )
@@ -186,14 +192,14 @@ class ModelRunner:
         else:
             start_t = torch.tensor(starts, dtype=torch.long)
             position_ids = start_t[:, None] + torch.arange(n)[None, :]  # [batch, n]
-        if same_start and n == 1:
+        if same_start and n == 1 and not self.attention.has_sliding:
             mask = None  # one query per row at the common end: it sees the whole prefix
         else:
-            # Query j of row b sees cache positions <= start_b + j: its own prefix, nothing
-            # of other rows' padding, nothing of its own padded queries.
-            rows_pos = position_ids[:1] if same_start else position_ids
-            mask = torch.arange(kv_len)[None, None, :] <= rows_pos[:, :, None]  # [b|1, n, kv]
-            mask = mask[:, None].to(dev)  # [b|1, 1, n, kv_len]
+            # Query j of row b sees cache positions <= start_b + j (and, in a sliding
+            # layer, fewer than the window back): its own prefix, nothing of other rows'
+            # padding, nothing of its own padded queries.
+            rows_pos = (position_ids[:1] if same_start else position_ids).to(dev)
+            mask = build_masks(self.attention, rows_pos, kv_len, self._mask_dtype)
         # Padded queries of a row that starts late can sit past the context limit, where a
         # learned absolute position table (GPT-2's wpe, OPT) has no entry. Their outputs are
         # discarded, so the model sees them at the last valid position; the cache still
@@ -247,6 +253,20 @@ class ModelRunner:
         for sid in seq_ids:
             self.add(sid)
         return self.forward_padded(seq_ids, prompts, last_only=True)
+
+
+def _load_model(model: str, dtype: torch.dtype, trust_remote_code: bool):
+    """The model with SDPA attention, or eager where the family has no SDPA path (Gemma 2:
+    SDPA cannot soft-cap attention scores). Both take the runner's 4-D masks; flash
+    attention ignores them, so it is never chosen."""
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    try:
+        return AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", **kwargs)
+    except ValueError as exc:
+        message = str(exc).lower()
+        if "sdpa" not in message and "scaled_dot_product_attention" not in message:
+            raise
+        return AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", **kwargs)
 
 
 def _context_limit(config) -> int:

@@ -76,7 +76,8 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
             draft_ids[row, :n] = torch.tensor(drafts)
             if q is None:
                 raise ValueError("a sampled row with drafts needs their draft probabilities")
-            draft_probs[row, :n] = torch.as_tensor(q, device=dev)
+            q = torch.as_tensor(q, device=dev)  # [n, shared ids]: zero past the draft's ids
+            draft_probs[row, :n, : q.shape[-1]] = q
     params = [rows[i].params for i in sampled]
     p = probs_for(params, target)  # [s, k + 1, vocab]
     out = rejection_sample(

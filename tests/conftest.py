@@ -140,3 +140,13 @@ def serve_http(ray_local):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """Every family of :mod:`tests.model_families`, built once: name -> (target, draft,
+    tokenizer) directories."""
+    from tests.model_families import FAMILIES, build_family
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_family(f, root / name) for name, f in FAMILIES.items()}

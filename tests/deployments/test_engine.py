@@ -638,14 +638,46 @@ def test_absolute_position_pair_through_the_engine(ray_local, tiny_gpt2_target, 
     assert held["target"] == {"running": [], "runner": [], "kept": []}
 
 
-def test_draft_vocabulary_mismatch_is_a_startup_error(ray_local, tiny_target, tmp_path):
-    from tests.conftest import save_tiny_llama
+def test_draft_with_more_embedding_rows_speculates_over_the_shared_ids(
+    ray_local, tiny_target, reference, tmp_path
+):
+    """Embedding rows differ (Qwen 2.5: 151936 vs 152064): the pair serves, the draft
+    proposes only ids the target has, greedy output is the target's, drafts accepted."""
+    from transformers import AutoModelForCausalLM
 
-    other = save_tiny_llama(tmp_path / "other-vocab", seed=3, layers=1, hidden=32, vocab=97)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    rows = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(rows + 8, mean_resizing=False)
+    with torch.no_grad():  # the extra rows: +-10x real rows, often the draft's argmax
+        head = model.get_output_embeddings().weight
+        head[rows : rows + 4] = 10 * head[:4]
+        head[rows + 4 :] = -10 * head[:4]
+    padded = tmp_path / "padded-draft"
+    model.save_pretrained(padded)
 
+    async def go():
+        engine = SpecEngine(config(tiny_target, str(padded)))
+        await engine.start()
+        try:
+            assert engine.draft_info["vocab_size"] == rows + 8
+            results = [await collect(engine, p, GREEDY) for p in PROMPTS[:3]]
+        finally:
+            await engine.shutdown()
+        return results
+
+    results = asyncio.run(go())
+    for prompt, (tokens, last) in zip(PROMPTS, results, strict=False):
+        assert tokens == reference[tuple(prompt)]
+        assert last.stats.drafted > 0
+    # On the shared ids the draft is the target: greedy, every draft is accepted. A draft
+    # that proposed its padding rows (often its argmax) would be rejected there.
+    assert all(last.stats.accepted == last.stats.drafted for _, last in results)
+
+
+def test_a_worker_that_cannot_load_fails_the_start_with_its_reason(ray_local, tiny_target):
     async def start():
-        engine = SpecEngine(config(tiny_target, other))
-        with pytest.raises(EngineError, match="vocabulary"):
+        engine = SpecEngine(config(tiny_target, "/nonexistent/draft-model"))
+        with pytest.raises(EngineError, match=r"the draft worker \(/nonexistent/draft-model\)"):
             await engine.start()
         return engine
 

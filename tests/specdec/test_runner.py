@@ -282,3 +282,19 @@ def test_gpt2_greedy_speculative_equals_autoregressive_up_to_the_limit(
         accepted += spec.num_accepted
     assert 0 < accepted < drafted  # the draft neither always nor never agrees
     assert gpt2.num_seqs == 0 and gpt2_proposer.runner.num_seqs == 0
+
+
+def test_transformers_minor_is_the_one_the_slot_cache_was_written_for():
+    """Fails loudly when the installed transformers is not the pinned minor, and the
+    check refuses other minors with the fix in its message."""
+    import transformers
+
+    from specdec.kv_cache import TRANSFORMERS_MINOR, check_transformers_version
+
+    check_transformers_version()  # the installed one
+    major, minor = TRANSFORMERS_MINOR
+    assert transformers.__version__.startswith(f"{major}.{minor}.")
+    for other in (f"{major}.{minor + 1}.0", f"{major}.{minor - 1}.2", f"{major + 1}.0.0", "dev"):
+        with pytest.raises(RuntimeError, match=rf"install transformers=={major}\.{minor}\.\*"):
+            check_transformers_version(other)
+    check_transformers_version(f"{major}.{minor}.9")
