@@ -20,6 +20,9 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 
 case "${1:-}" in
   start)
+    # `ray start` with token auth needs a token it will not create: make one the first
+    # time (~/.ray/auth_token; RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, when set, win).
+    if [ "$RAY_AUTH_MODE" = token ]; then "$RAY" get-auth-token --generate >/dev/null; fi
     "$RAY" start --head --port="$PORT" --num-cpus="$HEAD_CPUS" \
       --resources='{"draft": 4}' --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" \
       --disable-usage-stats \

@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig, EngineConfig
 from deployments.engine import SpecEngine
-from deployments.placement import placement_for
+from deployments.placement import placement_for, replica_actor_options
 from deployments.server import create_app
 from monitoring.deployment import MonitorDeployment
 from monitoring.domains import DomainResolver
@@ -135,11 +135,9 @@ def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Applic
         "name": name,
         "placement_group_bundles": placement.bundles,
         "placement_group_strategy": placement.strategy,
-        "ray_actor_options": {
-            # The replica itself must fit in bundle 0 of its placement group.
-            "num_cpus": placement.bundles[0].get("CPU", 0),
-            "num_gpus": placement.bundles[0].get("GPU", 0),
-        },
+        # The replica runs in bundle 0 and claims the engine's resources only: the rest of
+        # that bundle is the target's when STRICT_SPREAD puts them together.
+        "ray_actor_options": replica_actor_options(config.engine),
     }
     if config.autoscaling_config is not None:
         options["autoscaling_config"] = config.autoscaling_config

@@ -1,13 +1,17 @@
 """Pure functions from :class:`EngineConfig` to Ray placement-group bundles.
 
-Bundle 0 is the engine replica itself (Ray Serve puts the replica actor in the first
-bundle), bundle 1 the target worker, bundle 2 the draft worker. Keeping this pure makes
-placement unit-testable without a cluster, as Ray Serve LLM does.
+Ray Serve puts the replica actor in bundle 0 of its placement group. With PACK and
+SPREAD, bundle 0 is the engine replica's own, bundle 1 the target worker's, bundle 2 the
+draft worker's. With STRICT_SPREAD the engine shares bundle 0 with the target (see
+:func:`placement_for`). In every strategy the replica claims only the engine's resources
+(:func:`replica_actor_options`), so what is left of its bundle is exactly the worker's.
+Keeping this pure makes placement unit-testable without a cluster, as Ray Serve LLM does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from deployments.config import EngineConfig, WorkerResources
 
@@ -18,6 +22,11 @@ DRAFT_BUNDLE = 2
 
 def bundle(res: WorkerResources) -> dict[str, float]:
     """One placement-group bundle: CPU/GPU plus custom and accelerator resources."""
+    return _claim(res) or {"CPU": 0.001}  # Ray rejects empty bundles
+
+
+def _claim(res: WorkerResources) -> dict[str, float]:
+    """What an actor with these resources reserves (empty when it asks for nothing)."""
     out: dict[str, float] = {}
     if res.num_cpus:
         out["CPU"] = res.num_cpus
@@ -27,8 +36,6 @@ def bundle(res: WorkerResources) -> dict[str, float]:
     if res.accelerator_type:
         # Ray's convention: a tiny amount of the accelerator_type resource pins the node.
         out[f"accelerator_type:{res.accelerator_type}"] = 0.001
-    if not out:
-        out["CPU"] = 0.001  # Ray rejects empty bundles
     return out
 
 
@@ -46,6 +53,8 @@ def placement_for(config: EngineConfig) -> Placement:
     With STRICT_SPREAD Ray puts every bundle on a different node; the engine bundle then
     needs a third node, so we drop the replica's own resources into the target's node by
     folding it into the target bundle when the user asked only for draft/target apart.
+    The replica still claims only the engine's share of that bundle
+    (:func:`replica_actor_options`); the rest is the target's.
     """
     engine = bundle(config.engine_resources)
     target = bundle(config.target_resources)
@@ -54,10 +63,26 @@ def placement_for(config: EngineConfig) -> Placement:
     draft = bundle(config.draft_resources)
     if config.placement_strategy == "STRICT_SPREAD":
         merged = dict(target)
-        for key, value in engine.items():
+        for key, value in _claim(config.engine_resources).items():
             merged[key] = merged.get(key, 0) + value
         # [engine + target] on one node, [draft] on another.
         return Placement([merged, draft], "STRICT_SPREAD", 0, 1)
     return Placement(
         [engine, target, draft], config.placement_strategy, TARGET_BUNDLE, DRAFT_BUNDLE
     )
+
+
+def replica_actor_options(config: EngineConfig) -> dict[str, Any]:
+    """``ray_actor_options`` of the Serve replica: the engine's resources, nothing more.
+
+    Never derived from bundle 0: with STRICT_SPREAD that bundle also holds the target's
+    share (its GPU), and a replica that claimed it would leave the target unschedulable.
+    """
+    res = config.engine_resources
+    options: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus}
+    if res.resources:
+        options["resources"] = dict(res.resources)
+    if res.accelerator_type:
+        # Ray turns this into 0.001 of `accelerator_type:<type>`, as bundle() reserves.
+        options["accelerator_type"] = res.accelerator_type
+    return options

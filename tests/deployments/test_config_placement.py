@@ -87,3 +87,98 @@ def test_strict_spread_puts_draft_and_target_on_different_nodes():
 def test_target_only_has_no_draft_bundle():
     p = placement_for(cfg(draft=None))
     assert len(p.bundles) == 2 and p.draft_bundle is None
+
+
+def _claim(options: dict) -> dict[str, float]:
+    """The resources Ray reserves for an actor with these options (no CPU default: every
+    SpecServe actor states its num_cpus)."""
+    out = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0)}
+    out.update(options.get("resources") or {})
+    if options.get("accelerator_type"):
+        out[f"accelerator_type:{options['accelerator_type']}"] = 0.001
+    return {k: v for k, v in out.items() if v}
+
+
+def _worker_options(res: WorkerResources) -> dict:
+    """What the engine asks Ray for per worker (deployments.engine.SpecEngine._options)."""
+    return {
+        "num_cpus": res.num_cpus,
+        "num_gpus": res.num_gpus,
+        "resources": dict(res.resources),
+        "accelerator_type": res.accelerator_type,
+    }
+
+
+def _add(into: dict[str, float], claim: dict[str, float]) -> None:
+    for key, value in claim.items():
+        into[key] = into.get(key, 0) + value
+
+
+GPU_SHAPE = {
+    "engine_resources": {"num_cpus": 1},
+    "target_resources": {
+        "num_cpus": 4,
+        "num_gpus": 1,
+        "resources": {"target": 1},
+        "accelerator_type": "H100",
+    },
+    "draft_resources": {"num_cpus": 2, "num_gpus": 1, "resources": {"draft": 1}},
+}
+
+
+@pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_SPREAD"])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"num_cpus": 1},
+        {"num_cpus": 0},
+        {"num_cpus": 0.5, "num_gpus": 0.1, "resources": {"head": 1}, "accelerator_type": "L4"},
+    ],
+)
+def test_replica_claims_the_engine_resources_and_bundles_sum(strategy, engine):
+    """The replica asks for the engine's resources (never bundle 0's); every bundle is
+    exactly what its actors claim, so the target and the draft always fit in theirs."""
+    from deployments.placement import replica_actor_options
+
+    c = cfg(**{**GPU_SHAPE, "engine_resources": engine}, placement_strategy=strategy)
+    replica = replica_actor_options(c)
+    assert replica["num_cpus"] == engine["num_cpus"]
+    assert replica["num_gpus"] == engine.get("num_gpus", 0)
+    assert replica.get("resources", {}) == engine.get("resources", {})
+    assert replica.get("accelerator_type") == engine.get("accelerator_type")
+
+    p = placement_for(c)
+    assert p.strategy == strategy
+    claims: list[dict[str, float]] = [{} for _ in p.bundles]
+    _add(claims[0], _claim(replica))  # Serve schedules the replica in bundle 0
+    _add(claims[p.target_bundle], _claim(_worker_options(c.target_resources)))
+    _add(claims[p.draft_bundle], _claim(_worker_options(c.draft_resources)))
+    for got, want in zip(p.bundles, claims, strict=True):
+        # Equal, up to the CPU: 0.001 placeholder of a bundle nothing else would fill.
+        assert {k: pytest.approx(v) for k, v in want.items()} == {
+            k: v for k, v in got.items() if not (k == "CPU" and k not in want)
+        }
+    if strategy == "STRICT_SPREAD":
+        # Two bundles on two nodes: [engine + target], [draft]; the target's GPU is its own.
+        assert (p.target_bundle, p.draft_bundle) == (0, 1)
+        assert p.bundles[0]["GPU"] - replica["num_gpus"] == 1
+    else:
+        assert (p.target_bundle, p.draft_bundle) == (1, 2)
+
+
+def test_built_app_gives_the_replica_the_engine_resources():
+    """build_specserve_app: STRICT_SPREAD with a GPU target no longer hands the target's
+    GPU to the replica (the bug that kept the KubeRay shape from coming up)."""
+    from deployments.app import build_app
+
+    app = build_app(
+        {
+            "engine": {
+                "target": {"model": "t"},
+                "draft": {"model": "d"},
+                **GPU_SHAPE,
+                "placement_strategy": "STRICT_SPREAD",
+            }
+        }
+    )
+    assert app._bound_deployment.ray_actor_options == {"num_cpus": 1, "num_gpus": 0}
