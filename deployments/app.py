@@ -28,23 +28,53 @@ from deployments.placement import placement_for, replica_actor_options
 from deployments.server import create_app
 from monitoring.deployment import MonitorDeployment
 from monitoring.domains import DomainResolver
+from specdec.attention import UnsupportedModelError, attention_layout
 from specdec.sampling import SamplingParams
+from specdec.vocab import check_tokenizers
 
 logger = logging.getLogger("specserve.app")
 
 
-def load_tokenizer(config: EngineConfig):
-    """The target's tokenizer, or None when the model directory has none (tiny test models)."""
+def load_tokenizer(config: EngineConfig, role: str = "target"):
+    """The target's (or draft's) tokenizer, or None when the model directory has none
+    (tiny test models)."""
     from transformers import AutoTokenizer
 
-    source = config.target.tokenizer or config.target.model
+    spec = getattr(config, role)
+    source = spec.tokenizer or spec.model
     try:
-        return AutoTokenizer.from_pretrained(
-            source, trust_remote_code=config.target.trust_remote_code
-        )
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
         logger.warning("no tokenizer at %s (%s); token ids only", source, exc)
         return None
+
+
+def preflight(config: EngineConfig, tokenizer) -> None:
+    """Refuse a pair SpecServe cannot serve exactly before any weight is loaded: configs
+    whose attention layers the runner cannot mask, and a draft whose tokenizer maps text
+    to other ids than the target's. Raises :class:`UnsupportedModelError` with the reason
+    (the replica fails to start, and Serve reports the deployment as failed)."""
+    from transformers import AutoConfig
+
+    for role in ("target", "draft"):
+        spec = getattr(config, role)
+        if spec is None:
+            continue
+        try:
+            attention_layout(
+                AutoConfig.from_pretrained(spec.model, trust_remote_code=spec.trust_remote_code)
+            )
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{role} {spec.model}: {exc}") from None
+    if config.draft is None or tokenizer is None:
+        return
+    draft_tokenizer = load_tokenizer(config, "draft")
+    if draft_tokenizer is None:
+        raise UnsupportedModelError(
+            f"the draft {config.draft.model} has no tokenizer to compare with the target's: "
+            "set draft.tokenizer to the tokenizer it was trained with"
+        )
+    check_tokenizers(tokenizer, draft_tokenizer)
 
 
 @serve.deployment(max_ongoing_requests=512, health_check_period_s=5)
@@ -59,6 +89,7 @@ class SpecServeDeployment:
                 update={"api_key": os.environ["SPECSERVE_API_KEY"]}
             )
         self.tokenizer = load_tokenizer(self.config.engine)
+        preflight(self.config.engine, self.tokenizer)
         pg = ray.util.get_current_placement_group()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.monitor = monitor
