@@ -46,6 +46,7 @@ RAY_NUM_CPUS ?= 4
 SERVE_URL ?= http://127.0.0.1:8000
 
 serve: $(STAMP)
+	@$(BIN)/ray get-auth-token --generate >/dev/null  # `ray start` with token auth needs one
 	@$(BIN)/ray status >/dev/null 2>&1 || $(BIN)/ray start --head --num-cpus=$(RAY_NUM_CPUS) \
 		--dashboard-host=127.0.0.1 --disable-usage-stats
 	$(BIN)/serve deploy cluster/serve/demo.yaml
