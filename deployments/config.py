@@ -62,6 +62,12 @@ class ModelSpec(_Strict):
         ge=1,
         description="torch intra-op threads in the worker (CPU); None keeps torch's default.",
     )
+    default_device: str | None = Field(
+        default=None,
+        description="torch's default device in the worker's threads once the model is "
+        "loaded. A check, not a placement: with 'meta', any tensor the serving path creates "
+        "without naming its model's device fails at once (the device-clean test runs so).",
+    )
 
     @field_validator("model", "tokenizer")
     @classmethod

@@ -44,6 +44,8 @@ def configure_thread(spec: ModelSpec) -> None:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     torch.set_grad_enabled(False)
+    if spec.default_device:
+        torch.set_default_device(spec.default_device)  # per thread, as grad mode
 
 
 def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
@@ -60,6 +62,8 @@ def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
         max_model_len=spec.max_model_len,
         trust_remote_code=spec.trust_remote_code,
     )
+    if spec.default_device:  # after loading: from_pretrained itself may use the default
+        torch.set_default_device(spec.default_device)
     size = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     logger.info(
         "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d",

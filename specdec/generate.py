@@ -66,6 +66,11 @@ def _start(runner: ModelRunner, seq: SequenceState, eos: int | None) -> None:
     seq.append([int(first[0])], eos)
 
 
+def _free(runner: ModelRunner, seq_id: str) -> None:
+    if seq_id in runner.seq_ids:
+        runner.free(seq_id)
+
+
 def generate_autoregressive(
     target: ModelRunner,
     prompt_token_ids: Sequence[int],
@@ -75,13 +80,15 @@ def generate_autoregressive(
 ) -> GenerationResult:
     """Plain decoding with the target: one forward pass per token."""
     seq = SequenceState(seq_id, list(prompt_token_ids), params, device=target.device)
-    _start(target, seq, eos_token_id)
-    while not seq.finished:
-        logits = target.forward([seq_id], [[seq.last_token_id]])[0]  # [1, vocab]
-        gen = seq.verify_generator_at(len(seq.token_ids))
-        token = sample(probs_for([params], logits), [gen])
-        seq.append([int(token[0])], eos_token_id)
-    target.free(seq_id)
+    try:
+        _start(target, seq, eos_token_id)
+        while not seq.finished:
+            logits = target.forward([seq_id], [[seq.last_token_id]])[0]  # [1, vocab]
+            gen = seq.verify_generator_at(len(seq.token_ids))
+            token = sample(probs_for([params], logits), [gen])
+            seq.append([int(token[0])], eos_token_id)
+    finally:  # a failed call leaves nothing behind: the same seq_id works next time
+        _free(target, seq_id)
     return GenerationResult(seq.output_token_ids, seq.finish_reason or "length")
 
 
@@ -96,38 +103,42 @@ def generate_speculative(
 ) -> GenerationResult:
     """Speculative decoding: propose k, verify k + 1 positions in one pass, keep a prefix."""
     seq = SequenceState(seq_id, list(prompt_token_ids), params, device=target.device)
-    _start(target, seq, eos_token_id)
     rounds: list[RoundStats] = []
-    while not seq.finished:
-        # Never draft past max_tokens: those tokens could not be committed anyway.
-        k = max(0, min(num_speculative_tokens, params.max_tokens - len(seq.output_token_ids) - 1))
-        proposal = proposer.propose([seq], k)
-        n = int(proposal.num_draft_tokens[0])
-        drafts = proposal.draft_token_ids[0, :n].tolist()
-        cached = target.length(seq_id)
-        logits = target.forward([seq_id], [[seq.last_token_id, *drafts]])[0]  # [n + 1, vocab]
-        p = probs_for([params], logits[None])  # [1, n + 1, vocab]
-        q = proposal.draft_probs[:, :n] if proposal.draft_probs is not None else None
-        if q is not None and q.shape[-1] < logits.shape[-1]:  # a draft over fewer ids
-            q = torch.nn.functional.pad(q, (0, logits.shape[-1] - q.shape[-1]))
-        if q is None and proposal.kind == "probs":  # greedy: q is the point mass at each draft
-            q = torch.nn.functional.one_hot(proposal.draft_token_ids[:, :n], logits.shape[-1])
-            q = q.float()
-        out = rejection_sample(
-            proposal.draft_token_ids[:, :n],
-            proposal.num_draft_tokens,
-            p,
-            q,
-            torch.tensor([params.is_greedy]),
-            [seq.verify_generator_at(len(seq.token_ids))],
-            proposal.kind,
-        )
-        a = int(out.num_accepted[0])
-        rounds.append(RoundStats(n, a, bool(out.bonus[0])))
-        proposer.observe([seq], [a])
-        seq.append(out.tokens(0), eos_token_id)
-        # Keep KV of the fed token plus the accepted drafts; drop the rejected suffix.
-        target.rollback(seq_id, cached + 1 + a)
-    target.free(seq_id)
-    proposer.free(seq_id)
+    try:
+        _start(target, seq, eos_token_id)
+        while not seq.finished:
+            # Never draft past max_tokens: those tokens could not be committed anyway.
+            k = max(
+                0, min(num_speculative_tokens, params.max_tokens - len(seq.output_token_ids) - 1)
+            )
+            proposal = proposer.propose([seq], k)
+            n = int(proposal.num_draft_tokens[0])
+            drafts = proposal.draft_token_ids[0, :n].tolist()
+            cached = target.length(seq_id)
+            logits = target.forward([seq_id], [[seq.last_token_id, *drafts]])[0]  # [n + 1, vocab]
+            p = probs_for([params], logits[None])  # [1, n + 1, vocab]
+            q = proposal.draft_probs[:, :n] if proposal.draft_probs is not None else None
+            if q is not None and q.shape[-1] < logits.shape[-1]:  # a draft over fewer ids
+                q = torch.nn.functional.pad(q, (0, logits.shape[-1] - q.shape[-1]))
+            if q is None and proposal.kind == "probs":  # greedy: q is the point mass at each draft
+                q = torch.nn.functional.one_hot(proposal.draft_token_ids[:, :n], logits.shape[-1])
+                q = q.float()
+            out = rejection_sample(
+                proposal.draft_token_ids[:, :n],
+                proposal.num_draft_tokens,
+                p,
+                q,
+                torch.tensor([params.is_greedy], device=logits.device),
+                [seq.verify_generator_at(len(seq.token_ids))],
+                proposal.kind,
+            )
+            a = int(out.num_accepted[0])
+            rounds.append(RoundStats(n, a, bool(out.bonus[0])))
+            proposer.observe([seq], [a])
+            seq.append(out.tokens(0), eos_token_id)
+            # Keep KV of the fed token plus the accepted drafts; drop the rejected suffix.
+            target.rollback(seq_id, cached + 1 + a)
+    finally:
+        _free(target, seq_id)
+        proposer.free(seq_id)
     return GenerationResult(seq.output_token_ids, seq.finish_reason or "length", rounds)

@@ -153,18 +153,19 @@ class DraftModelProposer(Proposer):
         ids = [s.seq_id for s in seqs]
         params = [s.params for s in seqs]
         start = [len(s.token_ids) for s in seqs]  # absolute index of each row's first draft
-        draft = torch.zeros(batch, k, dtype=torch.long)
-        counts = torch.full((batch,), k, dtype=torch.long)
+        dev = self.runner.device  # every tensor of the proposal lives with the draft model
+        draft = torch.zeros(batch, k, dtype=torch.long, device=dev)
+        counts = torch.full((batch,), k, dtype=torch.long, device=dev)
         sampling = any(not sp.is_greedy for sp in params)
-        probs = torch.zeros(batch, k, self.vocab_limit) if sampling else None
-        top_ids = torch.zeros(batch, k, top_m, dtype=torch.long) if top_m else None
-        top_p = torch.zeros(batch, k, top_m) if top_m else None
+        probs = torch.zeros(batch, k, self.vocab_limit, device=dev) if sampling else None
+        top_ids = torch.zeros(batch, k, top_m, dtype=torch.long, device=dev) if top_m else None
+        top_p = torch.zeros(batch, k, top_m, device=dev) if top_m else None
         feed = [self._sync(s) for s in seqs]
         active = list(range(batch))  # rows still drafting
         for i in range(k):
             if should_stop is not None and should_stop():
                 return None
-            rows = slice(None) if len(active) == batch else torch.tensor(active)
+            rows = slice(None) if len(active) == batch else torch.tensor(active, device=dev)
             logits = self._logits([ids[r] for r in active], [feed[r] for r in active])
             # logits: [active, vocab_limit]
             lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
@@ -175,13 +176,14 @@ class DraftModelProposer(Proposer):
                 tokens = logits.argmax(dim=-1)
             sampled = [j for j, r in enumerate(active) if not params[r].is_greedy]
             if sampled:
-                q = probs_for([params[active[j]] for j in sampled], logits[sampled])  # [s, vocab]
+                at = torch.tensor(sampled, device=dev)
+                q = probs_for([params[active[j]] for j in sampled], logits[at])  # [s, vocab]
                 gens = [
                     seqs[active[j]].draft_generator_at(start[active[j]] + i, logits.device)
                     for j in sampled
                 ]
-                tokens[sampled] = sample(q, gens)
-                probs[[active[j] for j in sampled], i] = q
+                tokens[at] = sample(q, gens)
+                probs[torch.tensor([active[j] for j in sampled], device=dev), i] = q
             draft[rows, i] = tokens
             for r in active:
                 self._cached[ids[r]].extend(feed[r])
@@ -240,10 +242,11 @@ class NgramProposer(Proposer):
         self.n_max, self.n_min = n_max, n_min
 
     def propose(self, seqs: Sequence[SequenceState], k: int) -> Proposal:
-        draft = torch.zeros(len(seqs), k, dtype=torch.long)
-        counts = torch.zeros(len(seqs), dtype=torch.long)
+        host = torch.device("cpu")  # token lookups in Python lists: no model, no device
+        draft = torch.zeros(len(seqs), k, dtype=torch.long, device=host)
+        counts = torch.zeros(len(seqs), dtype=torch.long, device=host)
         for row, seq in enumerate(seqs):
             tokens = ngram_propose(seq.token_ids, k, self.n_max, self.n_min)
-            draft[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            draft[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=host)
             counts[row] = len(tokens)
         return Proposal(draft, counts, None, self.kind)

@@ -77,7 +77,15 @@ def rejection_sample(
     if len(generators) != batch:
         raise ValueError(f"need one generator (or None) per row: {len(generators)} != {batch}")
 
+    # Everything follows the target's probabilities onto their device. Host syncs: the
+    # greedy flags and draft counts once (seeded rows draw per row from their own
+    # generator), and the caller's read of the output.
     device = target_probs.device
+    greedy_host = is_greedy.tolist()
+    counts_host = num_draft_tokens.tolist()
+    draft_token_ids = draft_token_ids.to(device)
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(device)
     num_draft_tokens = num_draft_tokens.to(device)
     is_greedy = is_greedy.to(device)
     positions = torch.arange(k, device=device)
@@ -95,14 +103,15 @@ def rejection_sample(
 
     # u ~ U[0, 1): accept iff u < p/q, i.e. with probability min(1, p/q).
     # Unseeded rows share one draw from the global RNG; seeded rows use their own.
-    seeded = [r for r, g in enumerate(generators) if g is not None and not bool(is_greedy[r])]
+    seeded = [r for r, g in enumerate(generators) if g is not None and not greedy_host[r]]
     unseeded = ~is_greedy.clone()
-    unseeded[seeded] = False
+    if seeded:
+        unseeded[torch.tensor(seeded, device=device)] = False
     uniforms = torch.zeros(batch, k, device=device)
     if k > 0:
         uniforms[unseeded] = torch.rand(int(unseeded.sum()), k, device=device)
         for row in seeded:
-            n = int(num_draft_tokens[row])
+            n = counts_host[row]
             uniforms[row, :n] = torch.rand(n, generator=generators[row], device=device)
     stochastic_accept = uniforms * q_x < p_x
     greedy_accept = safe_draft == target_probs[:, :k].argmax(dim=-1)

@@ -179,26 +179,30 @@ class ModelRunner:
         kv_len = max(starts) + n
         self.cache.ensure(len(self._length), _round_up(kv_len, 64))
 
-        dev = self.device
+        # Ids and positions are assembled on the host (they come from Python lists) and
+        # moved to the model's device in one copy each; nothing uses the default device.
+        dev, host = self.device, torch.device("cpu")
         same_start = min(starts) == max(starts)
         if min(ns) == n:  # no padding: one tensor straight from the lists
-            input_ids = torch.tensor([token_ids[i] for i in order], dtype=torch.long)
+            input_ids = torch.tensor([token_ids[i] for i in order], dtype=torch.long, device=host)
         else:
-            input_ids = torch.zeros(batch, n, dtype=torch.long)
+            input_ids = torch.zeros(batch, n, dtype=torch.long, device=host)
             for row, i in enumerate(order):
-                input_ids[row, : ns[row]] = torch.as_tensor(token_ids[i], dtype=torch.long)
+                input_ids[row, : ns[row]] = torch.tensor(
+                    token_ids[i], dtype=torch.long, device=host
+                )
         if same_start:
-            position_ids = torch.arange(starts[0], starts[0] + n).expand(batch, n)
+            position_ids = torch.arange(starts[0], starts[0] + n, device=dev).expand(batch, n)
         else:
-            start_t = torch.tensor(starts, dtype=torch.long)
-            position_ids = start_t[:, None] + torch.arange(n)[None, :]  # [batch, n]
+            start_t = torch.tensor(starts, dtype=torch.long, device=host).to(dev)
+            position_ids = start_t[:, None] + torch.arange(n, device=dev)[None, :]  # [batch, n]
         if same_start and n == 1 and not self.attention.has_sliding:
             mask = None  # one query per row at the common end: it sees the whole prefix
         else:
             # Query j of row b sees cache positions <= start_b + j (and, in a sliding
             # layer, fewer than the window back): its own prefix, nothing of other rows'
             # padding, nothing of its own padded queries.
-            rows_pos = (position_ids[:1] if same_start else position_ids).to(dev)
+            rows_pos = position_ids[:1] if same_start else position_ids
             mask = build_masks(self.attention, rows_pos, kv_len, self._mask_dtype)
         # Padded queries of a row that starts late can sit past the context limit, where a
         # learned absolute position table (GPT-2's wpe, OPT) has no entry. Their outputs are
@@ -212,7 +216,7 @@ class ModelRunner:
         contiguous = slots == list(range(first, first + batch))
         self.cache.layout = BatchLayout(
             slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            write_positions=position_ids.to(dev),
+            write_positions=position_ids,
             kv_len=kv_len,
             contiguous_from=first if contiguous else None,
             write_start=starts[0] if same_start else None,
@@ -236,7 +240,8 @@ class ModelRunner:
             self.cache.layout = None
         logits = out.logits.float()  # [batch, n, vocab] or [batch, 1, vocab]
         if last_only and logits.shape[1] != 1:  # a model that ignores logits_to_keep
-            logits = logits[torch.arange(batch), torch.tensor(ns) - 1][:, None]
+            last = torch.tensor(ns, device=logits.device) - 1
+            logits = logits[torch.arange(batch, device=logits.device), last][:, None]
         for row in range(batch):
             self._length[slots[row]] = ends[row]
         if not in_order:

@@ -72,6 +72,7 @@ class SpeculativeDrafter:
 
     def __init__(self, proposer: DraftModelProposer, top_m: int = 4, decay: float = 0.98):
         self.proposer = proposer
+        self._device = proposer.runner.device  # the draft's: sequences, generators, drafts
         self.top_m = top_m
         self.decay = decay
         self.seqs: dict[Hashable, SequenceState] = {}
@@ -101,7 +102,7 @@ class SpeculativeDrafter:
     def add(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams) -> None:
         """Start (or restart) drafting for a sequence from all its committed tokens."""
         self.free(seq_id)
-        self.seqs[seq_id] = SequenceState(seq_id, list(token_ids), params)
+        self.seqs[seq_id] = SequenceState(seq_id, list(token_ids), params, device=self._device)
 
     def free(self, seq_id: Hashable) -> None:
         self._drop_branches(seq_id)
@@ -161,7 +162,8 @@ class SpeculativeDrafter:
             elif ks[i] > 0:
                 fresh.append(i)
             else:
-                results[i] = Drafts([], None, torch.zeros(0, 0), torch.zeros(0, 0))
+                empty = torch.zeros(0, 0, device=self._device)
+                results[i] = Drafts([], None, empty, empty)
         if fresh:
             k = max(ks[i] for i in fresh)
             prop = self.proposer.propose([self.seqs[seq_ids[i]] for i in fresh], k, self.top_m)
@@ -211,7 +213,11 @@ class SpeculativeDrafter:
         heads = []
         for sid in look:
             seq = self.seqs[sid]
-            heads.append(SequenceState(sid, seq.token_ids + self._last[sid].tokens, seq.params))
+            heads.append(
+                SequenceState(
+                    sid, seq.token_ids + self._last[sid].tokens, seq.params, device=self._device
+                )
+            )
         bonus_ids, bonus_probs = self.proposer.extend(heads, self.top_m)  # [batch, m]
         candidates: list[tuple[float, Hashable, tuple[int, ...]]] = []
         for row, sid in enumerate(look):
@@ -253,7 +259,7 @@ class SpeculativeDrafter:
             except Exception:
                 self._free_states(states)
                 raise
-            states.append(SequenceState(bid, prefix, seq.params))
+            states.append(SequenceState(bid, prefix, seq.params, device=self._device))
             parents.append(sid)
             guesses.append(guess)
             ks.append(k)

@@ -65,15 +65,16 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
     target = logits.index_select(0, index)[:, : k + 1]  # [s, k + 1, vocab]
     if target.shape[1] < k + 1:  # every sampled row drafted less than the longest row
         target = torch.nn.functional.pad(target, (0, 0, 0, k + 1 - target.shape[1]))
-    draft_ids = torch.zeros(len(sampled), k, dtype=torch.long)
+    host = torch.device("cpu")  # built from Python lists, moved to ``dev`` by the sampler
+    draft_ids = torch.zeros(len(sampled), k, dtype=torch.long, device=host)
     draft_probs = torch.zeros(len(sampled), k, vocab, device=dev)
-    counts = torch.zeros(len(sampled), dtype=torch.long)
+    counts = torch.zeros(len(sampled), dtype=torch.long, device=host)
     for row, i in enumerate(sampled):
         drafts, q = rows[i].draft_token_ids, rows[i].draft_probs
         n = len(drafts)
         counts[row] = n
         if n:
-            draft_ids[row, :n] = torch.tensor(drafts)
+            draft_ids[row, :n] = torch.tensor(drafts, dtype=torch.long, device=host)
             if q is None:
                 raise ValueError("a sampled row with drafts needs their draft probabilities")
             q = torch.as_tensor(q, device=dev)  # [n, shared ids]: zero past the draft's ids
@@ -81,15 +82,16 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
     params = [rows[i].params for i in sampled]
     p = probs_for(params, target)  # [s, k + 1, vocab]
     out = rejection_sample(
-        draft_ids.to(dev),
+        draft_ids,
         counts,
         p,
         draft_probs,
-        torch.zeros(len(sampled), dtype=torch.bool),
+        torch.zeros(len(sampled), dtype=torch.bool, device=host),
         [rows[i].generator for i in sampled],
     )
+    accepted = out.num_accepted.tolist()  # one host sync for the sub-batch
     for row, i in enumerate(sampled):
-        results[i] = (out.tokens(row), int(out.num_accepted[row]))
+        results[i] = (out.tokens(row), accepted[row])
 
 
 def sample_next(last_logits: torch.Tensor, params: Sequence[SamplingParams], generators):

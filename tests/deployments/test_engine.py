@@ -37,9 +37,10 @@ def reference(tiny_target):
 
 
 def config(target, draft, **kw):
+    """``target``/``draft``: a model path, or a whole ModelSpec dict."""
     base = {
-        "target": {"model": target},
-        "draft": {"model": draft},
+        "target": target if isinstance(target, dict) else {"model": target},
+        "draft": draft if isinstance(draft, dict) else {"model": draft},
         "scheduler": {"max_num_seqs": 4},
         "target_resources": {"num_cpus": 1},
         "draft_resources": {"num_cpus": 1},
@@ -173,6 +174,47 @@ def test_greedy_through_engine_equals_target_only(
         assert hits > 0
     else:
         assert hits == 0
+
+
+def test_workers_make_nothing_on_the_default_device(
+    ray_local, tiny_target, tiny_draft, reference, seeded_reference
+):
+    """The engine's workers with torch's default device set to ``meta`` in their threads
+    (models on the CPU): greedy, sampled, top-k/top-p and seeded rows, a dynamic draft
+    length and speculation branches (overlap) all run and stay exact."""
+    spec = {
+        "mode": "overlap",
+        "num_speculative_tokens": 3,
+        "adaptive_overlap": False,
+        "draft_confidence_threshold": 0.1,
+    }
+    meta = {"default_device": "meta"}
+    cfg = config({"model": tiny_target, **meta}, {"model": tiny_draft, **meta}, speculation=spec)
+    top = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+
+    async def body(engine):
+        greedy = [collect(engine, p, GREEDY) for p in PROMPTS[:3]]
+        others = [collect(engine, PROMPTS[0], top), collect(engine, PROMPTS[1], sampled)]
+        return await asyncio.gather(*greedy, *others)
+
+    results = asyncio.run(with_engine(cfg, body))
+    for prompt, (tokens, _) in zip(PROMPTS[:3], results, strict=False):
+        assert tokens == reference[tuple(prompt)]
+    assert all(len(tokens) == 24 and last.stats.drafted > 0 for tokens, last in results)
+    assert sum(last.stats.cache_hits for _, last in results) > 0  # branches were used
+    # Seeded rows, one at a time (see the seeded test): the one-process tokens.
+    one = config(
+        {"model": tiny_target, **meta},
+        {"model": tiny_draft, **meta},
+        speculation={"mode": "overlap", "num_speculative_tokens": 3, "adaptive_overlap": False},
+        scheduler={"max_num_seqs": 1},
+    )
+
+    async def seeded_body(engine):
+        return await asyncio.gather(*[collect(engine, p, seeded(i)) for i, p in enumerate(PROMPTS)])
+
+    assert [t for t, _ in asyncio.run(with_engine(one, seeded_body))] == seeded_reference
 
 
 def _joint_law(model_path, prompt, params, depth):
