@@ -738,7 +738,7 @@ class EngineCore:
         for seq in seqs:
             tokens, q, speculative = found.get(seq.state.seq_id, ([], None, False))
             k = min(len(tokens), seq.k_next)
-            tokens, q = tokens[:k], (None if q is None else q[:k])
+            tokens, q = tokens[:k], (None if q is None else q.head(k))
             gen = seq.state.verify_generator_at(
                 len(seq.state.prompt_token_ids) + len(seq.state.output_token_ids)
             )

@@ -1,8 +1,8 @@
 """Worker-side pieces: loading a model runner, and the draft actor with its own loop.
 
 The target side is :class:`deployments.core.EngineCore`. Token ids travel as Python lists
-and draft probabilities as float32 numpy arrays (only for sampled requests; greedy
-verification needs no ``q``), never logits of the target.
+and draft probabilities as 16-bit weights (:class:`specdec.qcodec.CompactQ`, only for
+sampled requests; greedy verification needs no ``q``), never logits of the target.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from deployments.config import ModelSpec
 from specdec.policy import SpeculationWidth
 from specdec.proposers import DraftModelProposer
+from specdec.qcodec import CompactQ
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.speculation_cache import Drafts, SpeculativeDrafter
@@ -90,7 +91,9 @@ def worker_info(runner: ModelRunner) -> dict[str, Any]:
 
 
 def _push_item(seq_id: Hashable, guess: tuple, drafts: Drafts) -> tuple:
-    q = None if drafts.probs is None else drafts.probs.float().cpu().numpy()
+    # Tokens, not vocabularies: a greedy row sends its ids; a sampled row its q in 16 bits,
+    # over its support when top-k/top-p truncated it (specdec.qcodec.CompactQ).
+    q = None if drafts.probs is None else CompactQ.encode(drafts.probs)
     return (seq_id, tuple(guess), drafts.tokens, q, drafts.speculative)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.proposers import Proposer
+from specdec.qcodec import dequantize_q
 from specdec.rejection import rejection_sample
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for, sample
@@ -117,7 +118,8 @@ def generate_speculative(
             cached = target.length(seq_id)
             logits = target.forward([seq_id], [[seq.last_token_id, *drafts]])[0]  # [n + 1, vocab]
             p = probs_for([params], logits[None])  # [1, n + 1, vocab]
-            q = proposal.draft_probs[:, :n] if proposal.draft_probs is not None else None
+            q = proposal.draft_probs
+            q = None if q is None else dequantize_q(q[:, :n])  # [1, n, draft vocab] float32
             if q is not None and q.shape[-1] < logits.shape[-1]:  # a draft over fewer ids
                 q = torch.nn.functional.pad(q, (0, logits.shape[-1] - q.shape[-1]))
             if q is None and proposal.kind == "probs":  # greedy: q is the point mass at each draft

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.qcodec import dequantize_q, quantize_q
 from specdec.rejection import ProposalKind
 from specdec.runner import ModelRunner
 from specdec.sampling import probs_for, sample
@@ -26,7 +27,9 @@ class Proposal:
 
     draft_token_ids: torch.Tensor  # [batch, k] int64
     num_draft_tokens: torch.Tensor  # [batch] int64
-    draft_probs: torch.Tensor | None  # [batch, k, vocab] q, or None for point mass/uniform
+    # [batch, k, vocab] q as float16 weights (specdec.qcodec.dequantize_q gives the float32
+    # distribution), or None for point mass/uniform
+    draft_probs: torch.Tensor | None
     kind: ProposalKind
     # The draft's likeliest tokens at each position and their probabilities under its raw
     # (untransformed) distribution: the speculation cache guesses outcomes from them.
@@ -157,7 +160,13 @@ class DraftModelProposer(Proposer):
         draft = torch.zeros(batch, k, dtype=torch.long, device=dev)
         counts = torch.full((batch,), k, dtype=torch.long, device=dev)
         sampling = any(not sp.is_greedy for sp in params)
-        probs = torch.zeros(batch, k, self.vocab_limit, device=dev) if sampling else None
+        # q as the float16 weights the draft samples from (specdec.qcodec): half the bytes,
+        # and what travels to the verifier as it is.
+        probs = (
+            torch.zeros(batch, k, self.vocab_limit, dtype=torch.float16, device=dev)
+            if sampling
+            else None
+        )
         top_ids = torch.zeros(batch, k, top_m, dtype=torch.long, device=dev) if top_m else None
         top_p = torch.zeros(batch, k, top_m, device=dev) if top_m else None
         feed = [self._sync(s) for s in seqs]
@@ -177,13 +186,13 @@ class DraftModelProposer(Proposer):
             sampled = [j for j, r in enumerate(active) if not params[r].is_greedy]
             if sampled:
                 at = torch.tensor(sampled, device=dev)
-                q = probs_for([params[active[j]] for j in sampled], logits[at])  # [s, vocab]
+                w = quantize_q(probs_for([params[active[j]] for j in sampled], logits[at]))
                 gens = [
                     seqs[active[j]].draft_generator_at(start[active[j]] + i, logits.device)
                     for j in sampled
                 ]
-                tokens[at] = sample(q, gens)
-                probs[torch.tensor([active[j] for j in sampled], device=dev), i] = q
+                tokens[at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
+                probs[torch.tensor([active[j] for j in sampled], device=dev), i] = w
             draft[rows, i] = tokens
             for r in active:
                 self._cached[ids[r]].extend(feed[r])

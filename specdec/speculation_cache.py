@@ -42,7 +42,9 @@ class Drafts:
     """Drafts for one sequence's next round, however they were obtained."""
 
     tokens: list[int]
-    probs: torch.Tensor | None  # [n, vocab] q; None for greedy rows (argmax matching needs no q)
+    # [n, vocab] q as float16 weights (specdec.qcodec); None for greedy rows (argmax
+    # matching needs no q)
+    probs: torch.Tensor | None
     top_ids: torch.Tensor  # [n, m] the draft's likeliest tokens at each position
     top_probs: torch.Tensor  # [n, m] their raw probabilities
     speculative: bool = False  # prepared ahead in a branch (a speculation-cache hit)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.qcodec import CompactQ, dequantize_q
 from specdec.rejection import rejection_sample
 from specdec.sampling import SamplingParams, probs_for
 
@@ -27,7 +28,9 @@ class VerifyRow:
 
     params: SamplingParams
     draft_token_ids: list[int]  # k_i drafts (may be empty: a plain decode step)
-    draft_probs: np.ndarray | torch.Tensor | None  # [k_i, vocab] q; None for greedy rows
+    # [k_i, vocab] q for sampled rows: float16 weights (specdec.qcodec), their CompactQ
+    # form from another actor, or a float32 distribution; None for greedy rows
+    draft_probs: CompactQ | np.ndarray | torch.Tensor | None
     generator: torch.Generator | None  # the request's verify stream (None: global RNG)
 
 
@@ -77,7 +80,8 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
             draft_ids[row, :n] = torch.tensor(drafts, dtype=torch.long, device=host)
             if q is None:
                 raise ValueError("a sampled row with drafts needs their draft probabilities")
-            q = torch.as_tensor(q, device=dev)  # [n, shared ids]: zero past the draft's ids
+            q = q.weights(dev) if isinstance(q, CompactQ) else torch.as_tensor(q, device=dev)
+            q = dequantize_q(q)  # [n, shared ids] float32: zero past the draft's ids
             draft_probs[row, :n, : q.shape[-1]] = q
     params = [rows[i].params for i in sampled]
     p = probs_for(params, target)  # [s, k + 1, vocab]
