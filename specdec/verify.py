@@ -7,6 +7,14 @@ first mismatch (or the bonus position), which is exactly what ``rejection_sample
 for greedy rows. So greedy rows here only take an argmax over their logits, and only
 sampled rows are transformed into probabilities and passed to the rejection sampler, as
 a sub-batch. The results are identical; the cost of a greedy row is one argmax.
+
+Host syncs per verification (the committed tokens must reach Python to be streamed, so
+one read per round is the floor): greedy rows, one ``tolist`` of their argmaxes; sampled
+rows, ``any``/``sum`` of the unseeded mask and one multinomial read per seeded row (a
+seeded row draws from its own generator), then one read of the accepted counts and one
+of each row's committed tokens. The draft side (``DraftModelProposer.propose``) reads each
+step's sampled tokens (they are the next step's input ids) and, with ``min_confidence``,
+their probabilities. Nothing else leaves the device.
 """
 
 from __future__ import annotations
