@@ -251,52 +251,70 @@ class SpecEngine:
         load, progress is logged every 30 s. A worker that fails to start fails the
         engine with its reason (Serve then reports the deployment as failed)."""
         cfg = self.config
-        if cfg.draft is not None:
-            self.draft = self._spawn_draft()
-        self.target = self._spawn_target()
-        workers = {"target": self.target}
-        if self.draft is not None:
-            workers["draft"] = self.draft
-        results = await self._load(workers, cfg.faults.startup_timeout_s)
-        failed = {name: r for name, r in results.items() if isinstance(r, BaseException)}
-        if failed:
-            await self.shutdown()
-            raise EngineError(
-                "; ".join(
-                    f"the {name} worker ({getattr(cfg, name).model}) failed to start: "
-                    f"{_startup_cause(exc, cfg.faults.startup_timeout_s)}"
-                    for name, exc in failed.items()
+        try:
+            if cfg.draft is not None:
+                self.draft = self._spawn_draft()
+            self.target = self._spawn_target()
+            workers = {"target": self.target}
+            if self.draft is not None:
+                workers["draft"] = self.draft
+            results = await self._load(workers, cfg.faults.startup_timeout_s)
+            failed = {n: r for n, r in results.items() if isinstance(r, BaseException)}
+            if failed:
+                raise EngineError(
+                    "; ".join(
+                        f"the {name} worker ({getattr(cfg, name).model}) failed to start: "
+                        f"{_startup_cause(exc, cfg.faults.startup_timeout_s)}"
+                        for name, exc in failed.items()
+                    )
                 )
-            )
-        self.target_info = results["target"]
+            self.target_info = results["target"]
+            if self.draft is not None:
+                self.draft_info = results["draft"]
+                self._warn_unchecked_pair()
+                await self._connect(self.target, self.draft, self.draft_info)
+        except BaseException:  # failed, timed out or cancelled: no worker outlives the start
+            await self.shutdown()
+            raise
         if self.draft is not None:
-            self.draft_info = results["draft"]
-            await self._connect(self.target, self.draft, self.draft_info)
             self._tasks.append(asyncio.create_task(self._watch_draft(self.draft)))
         self._tasks.append(asyncio.create_task(self._poll()))
         if self.telemetry is not None:
             self._tasks.append(asyncio.create_task(self._flush_telemetry()))
 
     async def _load(self, workers: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Each worker's ``ready`` info (or the exception it raised), all awaited at once."""
+        """Each worker's ``ready`` info, all awaited at once; the first failure ends the
+        wait (the others are cancelled: a draft that fails in seconds does not wait for a
+        target that loads for minutes). Failed workers map to their exception."""
         started = time.monotonic()
         tasks = {
             name: asyncio.ensure_future(asyncio.wait_for(actor.ready.remote(), timeout_s))
             for name, actor in workers.items()
         }
         pending = set(tasks.values())
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=LOAD_LOG_PERIOD_S)
-            if pending:
-                loading = [n for n, t in tasks.items() if t in pending]
-                logger.info(
-                    "still loading %s (%.0f s of at most %.0f s)",
-                    " and ".join(f"{n} {getattr(self.config, n).model}" for n in loading),
-                    time.monotonic() - started,
-                    timeout_s,
+        try:
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=LOAD_LOG_PERIOD_S, return_when=asyncio.FIRST_EXCEPTION
                 )
+                if any(t.exception() is not None for t in done):
+                    break
+                if pending:
+                    loading = [n for n, t in tasks.items() if t in pending]
+                    logger.info(
+                        "still loading %s (%.0f s of at most %.0f s)",
+                        " and ".join(f"{n} {getattr(self.config, n).model}" for n in loading),
+                        time.monotonic() - started,
+                        timeout_s,
+                    )
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         out = {}
         for name, task in tasks.items():
+            if task.cancelled():
+                continue
             exc = task.exception()
             out[name] = exc if exc is not None else task.result()
             if exc is None:
@@ -309,6 +327,19 @@ class SpecEngine:
                     time.monotonic() - started,
                 )
         return out
+
+    def _warn_unchecked_pair(self) -> None:
+        """Without a tokenizer the pair's ids cannot be compared (app.preflight does it
+        with one): say so when the row counts differ by more than padding would."""
+        t_rows, d_rows = self.target_info["vocab_size"], self.draft_info["vocab_size"]
+        if self.tokenizer is None and abs(t_rows - d_rows) > max(256, t_rows // 100):
+            logger.warning(
+                "target (%d logits rows) and draft (%d) have no tokenizer to compare and "
+                "differ by more than padding: are they a pair? (output stays exact; "
+                "acceptance may be near zero)",
+                t_rows,
+                d_rows,
+            )
 
     def _vocab_limit(self, draft_info: dict[str, Any]) -> int:
         """Ids the draft may propose: rows both models have and, with a tokenizer, real

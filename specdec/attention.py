@@ -109,3 +109,25 @@ def build_masks(
             m = torch.where(m, zero, low)
         masks[name] = m
     return masks if layout.keyed else masks[layout.layer_types[0]]
+
+
+def exact_position_limit(config) -> int | None:
+    """The longest sequence the runner reproduces exactly, where RoPE says so (else None).
+
+    LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) picks its frequencies from the longest
+    position in the whole forward pass: once a sequence passes the pretraining length,
+    every position switches to the long factors at once, and transformers' ``generate``
+    recomputes the whole cache then. A KV cache that keeps its keys (and a ragged batch
+    whose longest row would switch the others') cannot follow, but below that length the
+    model is plain RoPE: serve up to there. (Dynamic NTK scaling changes only past
+    ``max_position_embeddings``, which already bounds the context.)
+    """
+    params = getattr(decoder_config(config), "rope_parameters", None) or {}
+    per_type = params and all(isinstance(v, dict) for v in params.values())
+    entries = list(params.values()) if per_type else [params]
+    limits = [
+        p["original_max_position_embeddings"]
+        for p in entries
+        if p.get("rope_type") == "longrope" and p.get("original_max_position_embeddings")
+    ]
+    return min(limits) if limits else None

@@ -10,13 +10,21 @@ decode and multi-token verify are the same operation with different token counts
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Hashable, Sequence
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdec.attention import attention_layout, build_masks, decoder_config
+from specdec.attention import (
+    attention_layout,
+    build_masks,
+    decoder_config,
+    exact_position_limit,
+)
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
+
+logger = logging.getLogger("specserve.runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +49,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         initial_capacity: int = 256,
+        prefill_chunk_size: int = 2048,
     ):
         check_transformers_version()
         if dtype not in _DTYPES:
@@ -54,8 +63,18 @@ class ModelRunner:
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         self._mask_dtype = self.model.dtype if impl == "eager" else None
         limit = _context_limit(decoder_config(self.config))
+        rope_limit = exact_position_limit(self.config)
+        if rope_limit is not None and rope_limit < limit:
+            logger.warning(
+                "%s uses LongRoPE: served up to its pretraining length %d (past it, the "
+                "frequencies of every cached position change at once)",
+                model,
+                rope_limit,
+            )
+            limit = rope_limit
         self.max_model_len = min(max_model_len or limit, limit)
         self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_size = prefill_chunk_size
         # Rows of the LM head (logits width) and of the input embedding (ids it can read):
         # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -164,6 +183,8 @@ class ModelRunner:
         counts = [len(t) for t in token_ids]
         if not counts or min(counts) < 1:
             raise ValueError("every sequence must append at least one token")
+        if last_only and max(counts) > self.prefill_chunk_size:
+            return self._chunked_last(seq_ids, token_ids)
         batch = len(seq_ids)
         # Run rows in slot order so that a batch of consecutive slots reads a view.
         slot_of = [self._slot[sid] for sid in seq_ids]
@@ -250,6 +271,33 @@ class ModelRunner:
                 inverse[i] = row
             logits = logits[torch.tensor(inverse, device=logits.device)]
         return logits[:, 0] if last_only else logits
+
+    def _chunked_last(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Long appends in chunks of ``prefill_chunk_size`` queries: the masks (and eager
+        attention's scores) grow with queries x keys, so a 128k-token prompt in one pass
+        would need gigabytes for its masks alone. Returns ``[batch, vocab]``; on failure
+        every row is rolled back to where it started."""
+        chunk = self.prefill_chunk_size
+        starts = [self.length(sid) for sid in seq_ids]
+        last: list[torch.Tensor | None] = [None] * len(seq_ids)
+        try:
+            for c0 in range(0, max(len(t) for t in token_ids), chunk):
+                rows = [i for i, t in enumerate(token_ids) if len(t) > c0]
+                logits = self.forward_padded(
+                    [seq_ids[i] for i in rows],
+                    [token_ids[i][c0 : c0 + chunk] for i in rows],
+                    last_only=True,
+                )  # [rows, vocab]
+                for r, i in enumerate(rows):
+                    if len(token_ids[i]) <= c0 + chunk:
+                        last[i] = logits[r]
+        except BaseException:
+            for sid, start in zip(seq_ids, starts, strict=True):
+                self.rollback(sid, start)
+            raise
+        return torch.stack(last)  # type: ignore[arg-type]
 
     def prefill(
         self, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]]

@@ -94,3 +94,92 @@ def test_sliding_window_changes_these_outputs(name, family_models):
     text_config.sliding_window = 10**6  # read per forward by transformers' mask builder
     differ = [reference(hf, p) != reference(windowless, p) for p in prompts(tokenizer)]
     assert any(differ), name
+
+
+def test_longrope_is_served_up_to_its_pretraining_length(tmp_path):
+    """Phi-3 128k-style LongRoPE switches every position's frequencies once a sequence
+    passes ``original_max_position_embeddings``: exact below it, so served up to it."""
+    from transformers import AutoConfig
+
+    from specdec.generate import generate_autoregressive
+
+    config = AutoConfig.for_model(
+        "phi3",
+        vocab_size=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=128,
+        original_max_position_embeddings=24,  # top level, as Phi-3 128k configs have it
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [4.0 + i for i in range(8)],
+            "original_max_position_embeddings": 24,
+        },
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    model.save_pretrained(tmp_path)
+    runner = ModelRunner(str(tmp_path))
+    assert runner.max_model_len == 24
+    prompt = list(range(30, 42))
+    ref = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, 12:].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert generate_autoregressive(runner, prompt, params).token_ids == ref
+    with pytest.raises(ValueError, match="max_model_len"):
+        generate_autoregressive(runner, prompt, SamplingParams(temperature=0.0, max_tokens=14))
+    # Why the limit: past it, a cache that keeps its keys no longer matches generate.
+    runner.max_model_len = 128
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref_long = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=40,
+        min_new_tokens=40,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, 12:].tolist()
+    assert generate_autoregressive(runner, prompt, long).token_ids != ref_long
+
+
+@pytest.mark.parametrize("name", SLIDING_FAMILIES)
+def test_ragged_batches_of_sliding_families_match_full_forwards(name, family_models):
+    """Two rows at different lengths, prefilled and then verified in ragged multi-token
+    chunks in one batch: every logit row equals the model's own full forward pass."""
+    target_dir, _, _ = family_models[name]
+    runner = ModelRunner(target_dir)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    seqs = [list(range(300, 340)), list(range(900, 931))]  # both longer than the window
+    with torch.no_grad():
+        full = [hf(torch.tensor([s])).logits[0].float() for s in seqs]  # [len, vocab]
+    runner.prefill(["a", "b"], [seqs[0][:14], seqs[1][:5]])
+    done = [14, 5]
+    for step in (4, 1, 5, 3, 2, 6, 4):
+        feeds = [s[d : d + step + i] for i, (s, d) in enumerate(zip(seqs, done, strict=True))]
+        feeds = [f or s[-1:] for f, s in zip(feeds, seqs, strict=True)]
+        if any(d >= len(s) for d, s in zip(done, seqs, strict=True)):
+            break
+        out = runner.forward(["a", "b"], feeds)
+        for i, f in enumerate(feeds):
+            ref = full[i][done[i] : done[i] + len(f)]
+            assert torch.allclose(out[i], ref, atol=1e-3, rtol=1e-3), (name, i, done[i])
+            done[i] += len(f)
+    assert min(done) > 2 * WINDOW

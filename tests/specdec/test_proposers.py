@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from specdec.proposers import DraftModelProposer, NgramProposer, ngram_propose
 from specdec.runner import ModelRunner
@@ -53,3 +54,34 @@ def test_speculation_never_forks_past_the_draft_runner(tiny_draft):
     drafter.propose(["s0", "s1"], [3, 3])
     branches = drafter.speculate(["s0", "s1"], budget=10)
     assert len(branches) == 4 and drafter.proposer.runner.num_seqs == 6
+
+
+def test_drafts_stay_within_the_shared_ids_on_every_path(tiny_target, tmp_path):
+    """A draft with padding rows that are often its argmax, limited below both models'
+    row counts: drafts, sampled drafts, top-m guesses and bonus candidates all stay below
+    the limit; a committed id the draft has no embedding row for is fed as 0."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    rows = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(rows + 8, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[rows : rows + 4] = 10 * head[:4]
+        head[rows + 4 :] = -10 * head[:4]
+    model.save_pretrained(tmp_path)
+    limit = rows - 6
+    unlimited = DraftModelProposer(ModelRunner(str(tmp_path)))
+    proposer = DraftModelProposer(ModelRunner(str(tmp_path)), vocab_limit=limit)
+    seqs = [
+        SequenceState("g", [5, 9, 14], SamplingParams(temperature=0.0, max_tokens=40)),
+        SequenceState("s", [7, 3, 2], SamplingParams(temperature=1.0, max_tokens=40, seed=1)),
+        SequenceState("far", [5, rows + 50, 9], SamplingParams(temperature=0.0, max_tokens=40)),
+    ]
+    wide = unlimited.propose(seqs[:2], 6, top_m=4)
+    assert int(wide.draft_token_ids.max()) >= limit  # the power: unlimited, padding wins
+    prop = proposer.propose(seqs, 6, top_m=4)
+    assert int(prop.draft_token_ids.max()) < limit and int(prop.top_token_ids.max()) < limit
+    assert prop.draft_probs.shape[-1] == limit and prop.num_draft_tokens.tolist() == [6, 6, 6]
+    bonus_ids, _ = proposer.extend(seqs, 4)
+    assert int(bonus_ids.max()) < limit

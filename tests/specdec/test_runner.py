@@ -298,3 +298,19 @@ def test_transformers_minor_is_the_one_the_slot_cache_was_written_for():
         with pytest.raises(RuntimeError, match=rf"install transformers=={major}\.{minor}\.\*"):
             check_transformers_version(other)
     check_transformers_version(f"{major}.{minor}.9")
+
+
+def test_long_prefills_run_in_chunks_with_the_same_logits(tiny_target):
+    """A prompt longer than prefill_chunk_size is prefilled in chunks (bounded masks)
+    and gives the same last logits as one pass, ragged rows included."""
+    whole = ModelRunner(tiny_target)
+    chunked = ModelRunner(tiny_target, prefill_chunk_size=7)
+    prompts = [list(range(3, 40)), list(range(10, 22)), [5]]
+    ref = whole.prefill(["a", "b", "c"], prompts)
+    out = chunked.prefill(["a", "b", "c"], prompts)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert [chunked.length(s) for s in "abc"] == [37, 12, 1]
+    nxt = [[7], [8], [9]]
+    assert torch.allclose(
+        chunked.forward_padded(list("abc"), nxt), whole.forward_padded(list("abc"), nxt), atol=1e-5
+    )
