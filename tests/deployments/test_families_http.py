@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deployments.app import build_specserve_app
 from deployments.config import AppConfig
 from tests.model_families import FAMILIES, build_family, build_tokenizer
-from tests.specdec.test_families import prompts
+from tests.specdec.test_families import prompts, reference
 
 NEW_TOKENS = 20
 
@@ -54,22 +54,6 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def reference(model, prompt: list[int], eos: list[int]) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )
-    ids = out[0, len(prompt) :].tolist()
-    for i, t in enumerate(ids):  # the server returns nothing from the first EOS on
-        if t in eos:
-            return ids[:i]
-    return ids
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_served_exactly_over_the_engine_and_http(name, family_models, serve_http):
     target_dir, draft_dir, tok_dir = family_models[name]
@@ -83,7 +67,7 @@ def test_family_served_exactly_over_the_engine_and_http(name, family_models, ser
     try:
         drafted = accepted = 0
         for i, prompt in enumerate(prompts(tokenizer)):
-            expected = reference(hf, prompt, eos)
+            expected = reference(hf, prompt, NEW_TOKENS, eos)
             # The engine, token ids in: exactly the reference.
             chunks = list(
                 handle.options(stream=True).generate.remote(

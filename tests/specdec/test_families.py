@@ -25,18 +25,24 @@ def prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def reference(model, prompt: list[int]) -> list[int]:
-    """transformers greedy ``generate`` of the target, EOS ignored (as ``ignore_eos``)."""
+def reference(
+    model, prompt: list[int], new_tokens: int = NEW_TOKENS, eos: list[int] | None = None
+) -> list[int]:
+    """transformers greedy ``generate`` of the target: ``new_tokens`` tokens with EOS
+    ignored (as ``ignore_eos``), or, with ``eos``, the tokens before the first of them
+    (what a server returns)."""
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
+        max_new_tokens=new_tokens,
+        min_new_tokens=None if eos else new_tokens,
         do_sample=False,
-        eos_token_id=None,
+        eos_token_id=eos,
         pad_token_id=0,
     )
-    return out[0, len(prompt) :].tolist()
+    ids = out[0, len(prompt) :].tolist()
+    stops = [i for i, t in enumerate(ids) if t in (eos or ())]
+    return ids[: stops[0]] if stops else ids
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -134,14 +140,7 @@ def test_longrope_is_served_up_to_its_pretraining_length(tmp_path):
     runner = ModelRunner(str(tmp_path))
     assert runner.max_model_len == 24
     prompt = list(range(30, 42))
-    ref = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=12,
-        min_new_tokens=12,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, 12:].tolist()
+    ref = reference(model, prompt, 12)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert generate_autoregressive(runner, prompt, params).token_ids == ref
     with pytest.raises(ValueError, match="max_model_len"):
@@ -149,14 +148,7 @@ def test_longrope_is_served_up_to_its_pretraining_length(tmp_path):
     # Why the limit: past it, a cache that keeps its keys no longer matches generate.
     runner.max_model_len = 128
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    ref_long = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=40,
-        min_new_tokens=40,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, 12:].tolist()
+    ref_long = reference(model, prompt, 40)
     assert generate_autoregressive(runner, prompt, long).token_ids != ref_long
 
 
