@@ -198,11 +198,15 @@ def test_workers_make_nothing_on_the_default_device(
         others = [collect(engine, PROMPTS[0], top), collect(engine, PROMPTS[1], sampled)]
         return await asyncio.gather(*greedy, *others)
 
-    results = asyncio.run(with_engine(cfg, body))
-    for prompt, (tokens, _) in zip(PROMPTS[:3], results, strict=False):
-        assert tokens == reference[tuple(prompt)]
-    assert all(len(tokens) == 24 and last.stats.drafted > 0 for tokens, last in results)
-    assert sum(last.stats.cache_hits for _, last in results) > 0  # branches were used
+    for _ in range(ATTEMPTS):  # see ATTEMPTS: every run must be exact; one needs hits
+        results = asyncio.run(with_engine(cfg, body))
+        for prompt, (tokens, _) in zip(PROMPTS[:3], results, strict=False):
+            assert tokens == reference[tuple(prompt)]
+        assert all(len(tokens) == 24 and last.stats.drafted > 0 for tokens, last in results)
+        hits = sum(last.stats.cache_hits for _, last in results)
+        if hits > 0:
+            break
+    assert hits > 0  # branches drafted on meta were used
     # Seeded rows, one at a time (see the seeded test): the one-process tokens.
     one = config(
         {"model": tiny_target, **meta},
