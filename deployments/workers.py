@@ -63,8 +63,7 @@ def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
         max_model_len=spec.max_model_len,
         trust_remote_code=spec.trust_remote_code,
     )
-    if spec.default_device:  # after loading: from_pretrained itself may use the default
-        torch.set_default_device(spec.default_device)
+    configure_thread(spec)  # after loading: from_pretrained may use the default device
     size = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     logger.info(
         "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d",
@@ -152,10 +151,7 @@ class DraftWorker:
         ids the pair shares; see :class:`specdec.proposers.DraftModelProposer`)."""
         with self._cv:
             self._core = core
-            proposer = self.drafter.proposer
-            proposer.vocab_limit = min(
-                vocab_limit or proposer.runner.vocab_size, proposer.runner.vocab_size
-            )
+            self.drafter.proposer.limit_vocab(vocab_limit)
 
     @ray.method(concurrency_group="io")
     def on_round(self, msg_no: int, first: bool, *payload) -> None:

@@ -79,8 +79,12 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.runner = runner
         self.min_confidence = min_confidence
-        self.vocab_limit = min(vocab_limit or runner.vocab_size, runner.vocab_size)
+        self.limit_vocab(vocab_limit)
         self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
+
+    def limit_vocab(self, vocab_limit: int | None) -> None:
+        """Propose only ids below ``vocab_limit`` (None: every row of the draft's head)."""
+        self.vocab_limit = min(vocab_limit or self.runner.vocab_size, self.runner.vocab_size)
 
     def free(self, seq_id: Hashable) -> None:
         if seq_id in self._cached:
