@@ -62,12 +62,35 @@ class ModelSpec(_Strict):
         ge=1,
         description="torch intra-op threads in the worker (CPU); None keeps torch's default.",
     )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV cache budget of this worker in bytes, allocated once at startup as "
+        "slots of max_model_len tokens (at most the slots the worker can use). Unset, and "
+        "kv_cache_memory_fraction unset: exactly those slots, refused at startup if the "
+        "device's free memory cannot hold them.",
+    )
+    kv_cache_memory_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="KV cache budget as a fraction of the device's free memory once the "
+        "weights are loaded (as vLLM's gpu_memory_utilization, but of what is left); "
+        "exclusive with kv_cache_memory_bytes. Fewer slots than max_num_seqs make requests "
+        "wait for a free slot, never fail.",
+    )
     default_device: str | None = Field(
         default=None,
         description="torch's default device in the worker's threads once the model is "
         "loaded. A check, not a placement: with 'meta', any tensor the serving path creates "
         "without naming its model's device fails at once (the device-clean test runs so).",
     )
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> ModelSpec:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError("set kv_cache_memory_bytes or kv_cache_memory_fraction, not both")
+        return self
 
     @field_validator("model", "tokenizer")
     @classmethod
