@@ -372,6 +372,7 @@ class EngineCore:
             out = self._telemetry.drain()
             out["running"] = len(self._running)
             out["waiting"] = len(self._waiting) + len(self._new)
+            out["kv_cache"] = self.runner.kv_usage()
             out["policy"] = self._policy_state  # published by the loop thread
         return out
 
@@ -405,6 +406,7 @@ class EngineCore:
             "error": self.error,
             "failed_requests": self.failed_requests,
             "loop_alive": self._thread.is_alive(),
+            "kv_cache": self.runner.kv_usage(),
         }
 
     @ray.method(concurrency_group="push")
@@ -496,8 +498,9 @@ class EngineCore:
             self._seq_ids.discard(sid)
 
     def _admit(self, freed: list[Hashable]) -> None:
-        """Prefill waiting requests up to max_num_seqs and publish their first tokens."""
-        room = self.max_num_seqs - len(self._running)
+        """Prefill waiting requests while KV slots are free (at most max_num_seqs run) and
+        publish their first tokens; the rest wait, in order, for slots to free."""
+        room = min(self.max_num_seqs - len(self._running), self.runner.num_free_slots)
         batch, self._waiting = self._waiting[:room], self._waiting[room:]
         if batch:
             self._take_drift_alerts()

@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 POLL_TIMEOUT_S = 1.0
+HEALTH_EVERY_S = 1.0  # how stale /health's running, waiting and KV figures may be under load
 LOAD_LOG_PERIOD_S = 30.0  # how often a slow model load is reported in the logs
 MAX_PENDING_RECORDS = 10_000
 CANCELLED = (
@@ -169,7 +170,8 @@ class SpecEngine:
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self._fatal: str | None = None
-        self._core_health: dict[str, Any] = {}
+        self._core_health: dict[str, Any] = {}  # the core's health(), refreshed by _poll
+        self._core_health_at = float("-inf")
         self.aborted = 0  # requests whose client went away before they finished
         self.draft_restart_failures = 0
         # A replacement target is loading: requests wait for it (it resumes them all).
@@ -350,7 +352,9 @@ class SpecEngine:
         return limit
 
     async def _connect(self, core, draft, draft_info: dict[str, Any]) -> None:
-        await self._call(draft.set_core.remote(core, self._vocab_limit(draft_info)))
+        # The draft keeps KV slots for as many sequences as the target can run at once.
+        num_seqs = self.target_info["kv_cache"]["num_slots"]
+        await self._call(draft.set_core.remote(core, self._vocab_limit(draft_info), num_seqs))
         await self._call(core.set_draft.remote(draft, draft_info.get("max_model_len")))
 
     @property
@@ -383,6 +387,7 @@ class SpecEngine:
             "target_restarts": self._target_restarts,
             "running": self._core_health.get("running", 0),
             "waiting": self._core_health.get("waiting", 0),
+            "kv_cache": self._core_health.get("kv_cache"),
             "aborted": self.aborted,
             "error": self._fatal,
         }
@@ -562,6 +567,8 @@ class SpecEngine:
             committed=drained["committed"],
             running=drained["running"],
             waiting=drained["waiting"],
+            kv_cache_usage=drained["kv_cache"]["usage"],
+            kv_cache_token_usage=drained["kv_cache"]["token_usage"],
             policy=drained["policy"],
             dropped=drained.get("dropped", 0),
         )
@@ -648,7 +655,8 @@ class SpecEngine:
             if error:
                 self._fail(f"engine failure: {error}")
                 return
-            if not outs:
+            if not outs or time.monotonic() - self._core_health_at > HEALTH_EVERY_S:
+                self._core_health_at = time.monotonic()
                 with contextlib.suppress(RayActorError, asyncio.TimeoutError):  # next poll
                     self._core_health = await self._call(self.target.health.remote())
 

@@ -131,6 +131,7 @@ class OpenAIServing:
             target_restarts=h["target_restarts"],
             running=h["running"],
             waiting=h["waiting"],
+            kv_cache=h["kv_cache"],
             aborted=h["aborted"],
             error=h["error"],
         )

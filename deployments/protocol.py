@@ -318,6 +318,17 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class KVCacheUsage(BaseModel):
+    """The target's KV cache: slots allocated once at startup, each for max_model_len."""
+
+    num_slots: int = Field(description="Slots allocated (sequences that can run at once).")
+    used_slots: int = Field(description="Slots held by running sequences.")
+    used_tokens: int = Field(description="Tokens cached over all running sequences.")
+    capacity_tokens: int = Field(description="num_slots x max_model_len.")
+    usage: float = Field(description="used_slots / num_slots; at 1 new requests wait.")
+    allocated_bytes: int = Field(description="Bytes of keys and values allocated.")
+
+
 class Health(BaseModel):
     status: Literal["ok", "degraded", "unavailable"] = Field(
         description="ok: serving with speculation; degraded: serving target-only while a "
@@ -332,5 +343,8 @@ class Health(BaseModel):
     target_restarts: int = Field(description="Target replacements so far.")
     running: int = Field(description="Sequences in the engine core's batch.")
     waiting: int = Field(description="Sequences admitted to the core, not yet running.")
+    kv_cache: KVCacheUsage | None = Field(
+        default=None, description="The target's KV cache (None until the core reports)."
+    )
     aborted: int = Field(description="Requests whose client left before they finished.")
     error: str | None = Field(default=None, description="Why the replica cannot serve.")

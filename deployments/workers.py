@@ -62,15 +62,21 @@ def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
         max_num_seqs=max_num_seqs,
         max_model_len=spec.max_model_len,
         trust_remote_code=spec.trust_remote_code,
+        kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
     )
     configure_thread(spec)  # after loading: from_pretrained may use the default device
     size = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     logger.info(
-        "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d",
+        "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d; KV cache "
+        "%.2f GB: %d slots of %d tokens",
         spec.model,
         time.monotonic() - started,
         size / 1e9,
         runner.vocab_size,
+        runner.max_model_len,
+        runner.kv_plan.total_bytes / 1e9,
+        runner.max_num_seqs,
         runner.max_model_len,
     )
     return runner
@@ -86,6 +92,7 @@ def worker_info(runner: ModelRunner) -> dict[str, Any]:
         "vocab_size": runner.vocab_size,
         "max_model_len": runner.max_model_len,
         "device": str(runner.device),
+        "kv_cache": runner.kv_plan.as_dict(),
     }
 
 
@@ -119,9 +126,13 @@ class DraftWorker:
         min_confidence: float = 0.0,
     ):
         self.spec = ModelSpec.model_validate(spec)
-        # Branches of the speculation cache are sequences too.
+        # Branches of the speculation cache are sequences too, from the same KV budget:
+        # slots for as many sequences as the core runs are kept, the rest hold branches.
         self.runner = load_runner(self.spec, max_num_seqs * (1 + width))
-        self.drafter = SpeculativeDrafter(DraftModelProposer(self.runner, min_confidence))
+        self.drafter = SpeculativeDrafter(
+            DraftModelProposer(self.runner, min_confidence),
+            main_slots=min(max_num_seqs, self.runner.max_num_seqs),
+        )
         self.overlap = overlap and width > 0
         self.width = SpeculationWidth(width, adaptive=adaptive)
         self._cv = threading.Condition()
@@ -146,12 +157,22 @@ class DraftWorker:
         return worker_info(self.runner)
 
     @ray.method(concurrency_group="io")
-    def set_core(self, core, vocab_limit: int | None = None) -> None:
+    def set_core(self, core, vocab_limit: int | None = None, num_seqs: int | None = None) -> None:
         """Draft for ``core`` from now on, proposing only ids below ``vocab_limit`` (the
-        ids the pair shares; see :class:`specdec.proposers.DraftModelProposer`)."""
+        ids the pair shares; see :class:`specdec.proposers.DraftModelProposer`), keeping
+        KV slots for the ``num_seqs`` sequences the core can run at once."""
         with self._cv:
             self._core = core
             self.drafter.proposer.limit_vocab(vocab_limit)
+            if num_seqs is not None:
+                self.drafter.main_slots = min(num_seqs, self.runner.max_num_seqs)
+                if self.drafter.main_slots < num_seqs:
+                    logger.warning(
+                        "the draft's KV budget holds %d of the %d sequences the target "
+                        "runs at once: the others are decoded target-only",
+                        self.drafter.main_slots,
+                        num_seqs,
+                    )
 
     @ray.method(concurrency_group="io")
     def on_round(self, msg_no: int, first: bool, *payload) -> None:
@@ -193,6 +214,7 @@ class DraftWorker:
             "acceptance": self.drafter.acceptance,
             "error": self.error,
             "failed_sequences": self.failed_sequences,
+            "kv_cache": self.runner.kv_usage(),
         }
 
     @ray.method(concurrency_group="io")
@@ -303,6 +325,8 @@ class DraftWorker:
         for sid, base_len, new_tokens, k, full, params in items:
             try:
                 if full is not None:
+                    if sid not in drafter.seqs and not drafter.has_room():
+                        raise RuntimeError("the draft's KV budget has no slot for it")
                     drafter.add(sid, full, SamplingParams(**params))
                 elif drafter.length(sid) != base_len:
                     lost.append((sid, None, None, None, False))

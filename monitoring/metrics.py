@@ -46,6 +46,8 @@ class RoundBatch:
     committed: dict[str, int] = field(default_factory=dict)  # domain -> tokens committed
     running: int = 0
     waiting: int = 0
+    kv_cache_usage: float = 0.0  # the target's KV slots in use / allocated
+    kv_cache_token_usage: float = 0.0  # ... tokens held / slots x max_model_len
     # domain -> {"k", "alpha", "round_time_ratio": {k: T(k) / T(0)}}
     policy: dict[str, dict] = field(default_factory=dict)
     dropped: int = 0  # sequence-rounds the replica's buffer dropped since the last flush
@@ -121,6 +123,15 @@ class SpecServeMetrics:
         )
         self.running = g("specserve.scheduler.running", description="Sequences in the batch.")
         self.waiting = g("specserve.scheduler.waiting", description="Sequences waiting.")
+        self.kv_usage = g(
+            "specserve.kv_cache.usage",
+            description="Fraction of the target's KV cache slots in use (1: new requests "
+            "wait for a slot).",
+        )
+        self.kv_token_usage = g(
+            "specserve.kv_cache.token_usage",
+            description="Tokens held in the target's KV cache over its capacity.",
+        )
         self.verify = h(
             "specserve.round.verify",
             unit="s",
@@ -188,6 +199,8 @@ class SpecServeMetrics:
             self.dropped_rounds.add(batch.dropped, base)
         self.running.set(batch.running, base)
         self.waiting.set(batch.waiting, base)
+        self.kv_usage.set(batch.kv_cache_usage, base)
+        self.kv_token_usage.set(batch.kv_cache_token_usage, base)
 
     def record_request(self, rec: RequestRecord) -> None:
         attrs = {

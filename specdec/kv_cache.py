@@ -7,8 +7,14 @@ preallocated ``[slots, kv_heads, capacity, head_dim]`` tensor per layer) and a l
 rollback is a length change, and new positions are written at each row's own offset.
 Attention reads only up to each row's length through a 4D mask built by the runner.
 
+The tensors are allocated once, when the runner knows its slot count from the memory
+budget (:mod:`specdec.kv_budget`), with ``capacity = max_model_len + 1``: the last
+position is a scratch column where padded queries of a ragged batch write their keys,
+which no mask ever lets a query read. Nothing grows while serving.
+
 Active sequences are kept in slots ``0..n-1`` (freeing moves the last slot into the
-hole), so a batch of all active sequences reads the cache as a view, without copies.
+hole, copying only its live tokens), so a batch of all active sequences reads the cache
+as a view, without copies.
 """
 
 from __future__ import annotations
@@ -63,28 +69,36 @@ class _SlotLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # The first forward (the runner's probe at load) learns heads, head_dim and dtype.
         _, heads, _, dim = key_states.shape
         shape = (self.owner.num_slots, heads, self.owner.capacity, dim)
         self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
         self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
         self.is_initialized = True
 
-    def _fit(self) -> None:
-        """Grow the tensors when the owner's slot count or capacity grew."""
-        slots, cap = self.owner.num_slots, self.owner.capacity
-        if self.keys.shape[0] >= slots and self.keys.shape[2] >= cap:
-            return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros((slots, old.shape[1], cap, old.shape[3]))
-            new[: old.shape[0], :, : old.shape[2]] = old
-            setattr(self, name, new)
+    def allocate(self) -> None:
+        """(Re)allocate at the owner's slot count and capacity, zeroed: a masked-out key
+        must never be NaN, which uninitialised memory can be."""
+        if self.is_initialized:
+            shape = (
+                self.owner.num_slots,
+                self.keys.shape[1],
+                self.owner.capacity,
+                self.keys.shape[3],
+            )
+            self.keys = self.keys.new_zeros(shape)
+            self.values = self.values.new_zeros(shape)
+
+    def bytes_per_token(self) -> int:
+        if not self.is_initialized:
+            return 0
+        per = self.keys.shape[1] * self.keys.shape[3]
+        return per * (self.keys.element_size() + self.values.element_size())
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states, value_states: [batch, kv_heads, n, head_dim]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._fit()
         layout = self.owner.layout
         if layout.write_start is not None:
             # Every row writes the same positions: a slice, no scatter.
@@ -119,11 +133,10 @@ class _SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        if self.is_initialized:
-            self._fit()  # the slot may have been added after the last forward
-            self.keys[dst] = self.keys[src]
-            self.values[dst] = self.values[src]
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        if self.is_initialized and length > 0:
+            self.keys[dst, :, :length] = self.keys[src, :, :length]
+            self.values[dst, :, :length] = self.values[src, :, :length]
 
 
 class SlotKVCache(Cache):
@@ -135,11 +148,22 @@ class SlotKVCache(Cache):
         self.layout: BatchLayout | None = None
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
-    def ensure(self, num_slots: int, capacity: int) -> None:
-        """Grow (never shrink) the slot count and per-slot capacity; layers follow lazily."""
-        self.num_slots = max(self.num_slots, num_slots)
-        self.capacity = max(self.capacity, capacity)
+    @property
+    def scratch_position(self) -> int:
+        """Where padded queries write: past every position a sequence can own."""
+        return self.capacity - 1
 
-    def copy_slot(self, src: int, dst: int) -> None:
+    def allocate(self, num_slots: int, capacity: int) -> None:
+        """Size every layer's tensors for good (done once, after the probe forward)."""
+        self.num_slots, self.capacity = num_slots, capacity
         for layer in self.layers:
-            layer.copy_slot(src, dst)
+            layer.allocate()
+
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token over every layer (known after the first forward)."""
+        return sum(layer.bytes_per_token() for layer in self.layers)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions (the live tokens) of slot ``src`` to ``dst``."""
+        for layer in self.layers:
+            layer.copy_slot(src, dst, length)

@@ -22,6 +22,7 @@ from specdec.attention import (
     decoder_config,
     exact_position_limit,
 )
+from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, plan_slots
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 
 logger = logging.getLogger("specserve.runner")
@@ -37,6 +38,11 @@ class ModelRunner:
     caller turns it on. Sliding-window layers get their window in every mask the runner
     builds (:mod:`specdec.attention`); a config with layer types it cannot mask raises
     :class:`specdec.attention.UnsupportedModelError` before any weight is loaded.
+
+    The KV cache is allocated once, here: ``max_num_seqs`` slots of ``max_model_len``
+    tokens, or fewer when the budget (``kv_cache_memory_bytes``, or
+    ``kv_cache_memory_fraction`` of the device's free memory after the weights) holds
+    fewer; :attr:`max_num_seqs` is then the slot count, and :attr:`kv_plan` says why.
     """
 
     def __init__(
@@ -45,11 +51,12 @@ class ModelRunner:
         *,
         dtype: str = "float32",
         device: str = "cpu",
-        max_num_seqs: int = 64,
+        max_num_seqs: int = 8,
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
-        initial_capacity: int = 256,
         prefill_chunk_size: int = 2048,
+        kv_cache_memory_bytes: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
     ):
         check_transformers_version()
         if dtype not in _DTYPES:
@@ -73,19 +80,49 @@ class ModelRunner:
             )
             limit = rope_limit
         self.max_model_len = min(max_model_len or limit, limit)
-        self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         # Rows of the LM head (logits width) and of the input embedding (ids it can read):
         # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self.cache = SlotKVCache(
-            num_layers=self.attention.num_layers,
-            num_slots=1,
-            capacity=min(initial_capacity, self.max_model_len + 16),
-        )
         self._slot: dict[Hashable, int] = {}  # seq_id -> slot
         self._length: list[int] = []  # slot -> cached tokens
+        self.kv_plan = self._allocate_kv(
+            max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction
+        )
+        self.max_num_seqs = self.kv_plan.num_slots
+
+    def _allocate_kv(
+        self, wanted: int, memory_bytes: int | None, memory_fraction: float | None
+    ) -> KVPlan:
+        """Learn the cache's per-token size from one probe token (heads, head_dim and
+        dtype per layer, whatever the family calls them), then allocate it for good."""
+        self.cache = SlotKVCache(self.attention.num_layers, num_slots=1, capacity=2)
+        self.max_num_seqs = 1
+        self.add("kv-probe")
+        try:
+            self.forward_padded(["kv-probe"], [[0]], last_only=True)
+        finally:
+            self.free("kv-probe")
+        free = device_free_bytes(self.device)
+        plan = plan_slots(
+            self.cache.bytes_per_token(),
+            self.max_model_len,
+            wanted,
+            budget_bytes(memory_bytes, memory_fraction, free),
+            free,
+        )
+        self.cache.allocate(plan.num_slots, self.max_model_len + 1)  # + the scratch column
+        if plan.num_slots < wanted:
+            logger.warning(
+                "KV cache: the budget holds %d of the %d sequences wanted at max_model_len=%d "
+                "(%d bytes per token); the rest wait for a free slot",
+                plan.num_slots,
+                wanted,
+                self.max_model_len,
+                plan.bytes_per_token,
+            )
+        return plan
 
     # ----- sequence bookkeeping -------------------------------------------------------
 
@@ -97,32 +134,54 @@ class ModelRunner:
     def seq_ids(self) -> list[Hashable]:
         return list(self._slot)
 
+    def holds(self, seq_id: Hashable) -> bool:
+        return seq_id in self._slot
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.max_num_seqs - len(self._slot)
+
+    def kv_usage(self) -> dict[str, int | float]:
+        """Slots and tokens in use against what was allocated (a metric and /health)."""
+        tokens = sum(self._length)
+        capacity = self.max_num_seqs * self.max_model_len
+        return {
+            "num_slots": self.max_num_seqs,
+            "used_slots": len(self._slot),
+            "used_tokens": tokens,
+            "capacity_tokens": capacity,
+            "usage": len(self._slot) / self.max_num_seqs,
+            "token_usage": tokens / capacity,
+            "allocated_bytes": self.kv_plan.total_bytes,
+            "bytes_per_token": self.kv_plan.bytes_per_token,
+        }
+
     def add(self, seq_id: Hashable) -> None:
         """Register a new, empty sequence."""
         if seq_id in self._slot:
             raise KeyError(f"sequence {seq_id!r} already exists")
         if len(self._slot) >= self.max_num_seqs:
-            raise RuntimeError(f"runner is full: max_num_seqs={self.max_num_seqs}")
+            raise RuntimeError(f"runner is full: max_num_seqs={self.max_num_seqs} KV slots")
         self._slot[seq_id] = len(self._length)
         self._length.append(0)
-        self.cache.ensure(len(self._length), self.cache.capacity)
 
     def free(self, seq_id: Hashable) -> None:
-        """Forget a sequence; the last slot moves into its place to keep slots dense."""
+        """Forget a sequence; the last slot's live tokens move into its place (slots stay
+        dense, so a batch of every sequence reads the cache as a view)."""
         slot = self._slot.pop(seq_id)
         last = len(self._length) - 1
         if slot != last:
             moved = next(s for s, sl in self._slot.items() if sl == last)
-            self.cache.copy_slot(last, slot)
+            self.cache.copy_slot(last, slot, self._length[last])
             self._slot[moved] = slot
             self._length[slot] = self._length[last]
         self._length.pop()
 
     def fork(self, src: Hashable, dst: Hashable) -> None:
-        """Start sequence ``dst`` as a copy of ``src`` (its cached keys/values and length)."""
+        """Start sequence ``dst`` as a copy of ``src`` (its live keys/values and length)."""
         self.add(dst)
         src_slot, dst_slot = self._slot[src], self._slot[dst]
-        self.cache.copy_slot(src_slot, dst_slot)
+        self.cache.copy_slot(src_slot, dst_slot, self._length[src_slot])
         self._length[dst_slot] = self._length[src_slot]
 
     def rename(self, old: Hashable, new: Hashable) -> None:
@@ -197,8 +256,7 @@ class ModelRunner:
         ends = [st + c for st, c in zip(starts, ns, strict=True)]
         if max(ends) > self.max_model_len:
             raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
-        kv_len = max(starts) + n
-        self.cache.ensure(len(self._length), _round_up(kv_len, 64))
+        kv_len = max(ends)  # no row reads past its own end; padding writes to scratch
 
         # Ids and positions are assembled on the host (they come from Python lists) and
         # moved to the model's device in one copy each; nothing uses the default device.
@@ -212,11 +270,22 @@ class ModelRunner:
                 input_ids[row, : ns[row]] = torch.tensor(
                     token_ids[i], dtype=torch.long, device=host
                 )
-        if same_start:
+        if same_start:  # every row's writes lie in [start, start + n), within max_model_len
             position_ids = torch.arange(starts[0], starts[0] + n, device=dev).expand(batch, n)
+            write_positions = position_ids
         else:
             start_t = torch.tensor(starts, dtype=torch.long, device=host).to(dev)
             position_ids = start_t[:, None] + torch.arange(n, device=dev)[None, :]  # [batch, n]
+            write_positions = position_ids
+            if min(ns) < n:
+                # A row's padded queries would sit past its end (and past max_model_len for
+                # a row near the limit): they take the row's last real position, so their
+                # masks are that query's and learned position tables have an entry, and
+                # their keys go to the scratch column, which no mask lets anyone read.
+                end_t = torch.tensor(ends, dtype=torch.long, device=host).to(dev)[:, None]
+                padded = position_ids >= end_t  # [batch, n]
+                position_ids = torch.minimum(position_ids, end_t - 1)
+                write_positions = position_ids.masked_fill(padded, self.cache.scratch_position)
         if same_start and n == 1 and not self.attention.has_sliding:
             mask = None  # one query per row at the common end: it sees the whole prefix
         else:
@@ -225,19 +294,11 @@ class ModelRunner:
             # padding, nothing of its own padded queries.
             rows_pos = position_ids[:1] if same_start else position_ids
             mask = build_masks(self.attention, rows_pos, kv_len, self._mask_dtype)
-        # Padded queries of a row that starts late can sit past the context limit, where a
-        # learned absolute position table (GPT-2's wpe, OPT) has no entry. Their outputs are
-        # discarded, so the model sees them at the last valid position; the cache still
-        # writes them at their own (unclamped, masked, beyond the row's length) positions,
-        # so that they never overwrite a real key at max_model_len - 1.
-        model_pos = position_ids
-        if max(starts) + n > self.max_model_len:
-            model_pos = position_ids.clamp(max=self.max_model_len - 1)
         first = slots[0]
         contiguous = slots == list(range(first, first + batch))
         self.cache.layout = BatchLayout(
             slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            write_positions=position_ids,
+            write_positions=write_positions,
             kv_len=kv_len,
             contiguous_from=first if contiguous else None,
             write_start=starts[0] if same_start else None,
@@ -251,7 +312,7 @@ class ModelRunner:
         try:
             out = self.model(
                 input_ids=input_ids.to(dev),
-                position_ids=model_pos.to(dev),
+                position_ids=position_ids,
                 attention_mask=mask,
                 past_key_values=self.cache,
                 use_cache=True,
@@ -333,7 +394,3 @@ def _context_limit(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m

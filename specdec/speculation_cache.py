@@ -72,8 +72,18 @@ class Branch:
 class SpeculativeDrafter:
     """A draft model, the sequences it drafts for, and their speculation cache."""
 
-    def __init__(self, proposer: DraftModelProposer, top_m: int = 4, decay: float = 0.98):
+    def __init__(
+        self,
+        proposer: DraftModelProposer,
+        top_m: int = 4,
+        decay: float = 0.98,
+        main_slots: int | None = None,
+    ):
         self.proposer = proposer
+        # KV slots kept for sequences (branches never take them): the draft's cache is one
+        # budget, and a branch is worth less than drafting for a sequence at all. None:
+        # only the sequences added so far are kept slots for.
+        self.main_slots = main_slots
         self._device = proposer.runner.device  # the draft's: sequences, generators, drafts
         self.top_m = top_m
         self.decay = decay
@@ -112,6 +122,17 @@ class SpeculativeDrafter:
         self._k.pop(seq_id, None)
         if self.seqs.pop(seq_id, None) is not None:
             self.proposer.free(seq_id)
+
+    def has_room(self) -> bool:
+        """Whether one more sequence may start (a KV slot is kept for it)."""
+        return self.main_slots is None or len(self.seqs) < self.main_slots
+
+    def branch_slots(self) -> int:
+        """KV slots speculation may take now: free ones, less those kept for sequences
+        that do not hold theirs yet (admitted, or still to come up to main_slots)."""
+        runner = self.proposer.runner
+        held = sum(1 for sid in self.seqs if runner.holds(sid))
+        return runner.num_free_slots - (max(self.main_slots or 0, len(self.seqs)) - held)
 
     def length(self, seq_id: Hashable) -> int | None:
         seq = self.seqs.get(seq_id)
@@ -245,9 +266,9 @@ class SpeculativeDrafter:
                     score = reject_here * pt / max(1e-6, 1 - p_draft)
                     candidates.append((score, sid, (*last.tokens[:j], t)))
         candidates.sort(key=lambda c: -c[0])
-        # Each branch takes a KV slot of the draft's runner: never more than are free.
-        runner = self.proposer.runner
-        chosen = candidates[: min(budget, runner.max_num_seqs - runner.num_seqs)]
+        # Each branch takes a KV slot of the draft's runner: only slots that are free and
+        # not kept for sequences still to come (main_slots).
+        chosen = candidates[: max(0, min(budget, self.branch_slots()))]
         states, parents, guesses, ks = [], [], [], []
         for g, (_score, sid, guess) in enumerate(chosen):
             seq = self.seqs[sid]

@@ -828,3 +828,32 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
     assert timings["resumed"] >= 1 and timings["paused"] >= paused + 1
     assert_nothing_held(held)
     assert max(p["b"]["k"] for p in policies if "b" in p) > 0  # no alert: b speculates
+
+
+def test_requests_wait_for_kv_slots_and_the_draft_shares_its_budget(
+    ray_local, tiny_target, tiny_draft, reference
+):
+    """A target budget of 2 KV slots under max_num_seqs=4: 8 concurrent requests all
+    finish exactly (admission waits for a slot; it used to fail the ones past the
+    slots), and the draft's 3 slots keep 2 for sequences and lend 1 to branches."""
+    per_slot = {
+        path: ModelRunner(path, max_num_seqs=1).kv_plan.bytes_per_slot
+        for path in (tiny_target, tiny_draft)
+    }
+    target = {"model": tiny_target, "kv_cache_memory_bytes": 2 * per_slot[tiny_target]}
+    draft = {"model": tiny_draft, "kv_cache_memory_bytes": 3 * per_slot[tiny_draft] + 1}
+    spec = {"mode": "overlap", "num_speculative_tokens": 3, "adaptive_overlap": False}
+    cfg = config(target, draft, speculation=spec)
+
+    async def body(engine):
+        results = await asyncio.gather(*[collect(engine, p, GREEDY) for p in PROMPTS])
+        return results, engine.health(), await engine.draft.stats.remote(), await held_after(engine)
+
+    results, health, stats, held = asyncio.run(with_engine(cfg, body))
+    for prompt, (tokens, last) in zip(PROMPTS, results, strict=True):
+        assert tokens == reference[tuple(prompt)]
+        assert last.finish_reason == "length"
+    assert sum(last.stats.drafted for _, last in results) > 0
+    assert health["kv_cache"]["num_slots"] == 2
+    assert stats["kv_cache"]["num_slots"] == 3 and stats["failed_sequences"] == 0
+    assert_nothing_held(held)

@@ -211,10 +211,8 @@ def run_in_process(
     old = specdec.verify.rejection_sample
     specdec.verify.rejection_sample = sampler
     try:
-        tr = ModelRunner(target, max_num_seqs=n, initial_capacity=32)
-        proposer = DraftModelProposer(
-            ModelRunner(draft, max_num_seqs=n, initial_capacity=32), CONFIDENCE
-        )
+        tr = ModelRunner(target, max_num_seqs=n)
+        proposer = DraftModelProposer(ModelRunner(draft, max_num_seqs=n), CONFIDENCE)
         seqs = [SequenceState(i, list(j.prompt), j.params) for i, j in enumerate(jobs)]
         samples = [Sample(j) for j in jobs]
         logits = tr.prefill(list(range(n)), [j.prompt for j in jobs])  # [n, vocab]

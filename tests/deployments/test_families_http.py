@@ -26,11 +26,19 @@ def family_app(name: str, target: str, draft: str, tokenizer: str, draft_tokeniz
     cfg = AppConfig.model_validate(
         {
             "engine": {
-                "target": {"model": target, "tokenizer": tokenizer, "num_threads": 1},
+                # KV slots are allocated at max_model_len: the families' real 32k-128k
+                # contexts would take gigabytes for these 40-token prompts.
+                "target": {
+                    "model": target,
+                    "tokenizer": tokenizer,
+                    "num_threads": 1,
+                    "max_model_len": 512,
+                },
                 "draft": {
                     "model": draft,
                     "tokenizer": draft_tokenizer or tokenizer,
                     "num_threads": 1,
+                    "max_model_len": 512,
                 },
                 "served_model_name": name,
                 "engine_resources": {"num_cpus": 0.5},

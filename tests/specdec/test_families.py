@@ -52,8 +52,8 @@ def test_family_greedy_equals_generate_with_drafts_accepted(name, family_models)
     family = FAMILIES[name]
     if family.bos is not None:  # the prompts carry BOS exactly as the tokenizer adds it
         assert all(p[0] == tokenizer.bos_token_id for p in prompts(tokenizer))
-    target = ModelRunner(target_dir)
-    draft = ModelRunner(draft_dir)
+    target = ModelRunner(target_dir, max_model_len=512)
+    draft = ModelRunner(draft_dir, max_model_len=512)
     proposer = DraftModelProposer(
         draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
     )
@@ -93,7 +93,7 @@ def test_sliding_window_changes_these_outputs(name, family_models):
     target_dir, _, tok_dir = family_models[name]
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     hf = AutoModelForCausalLM.from_pretrained(target_dir)
-    runner = ModelRunner(target_dir)
+    runner = ModelRunner(target_dir, max_model_len=512)
     assert SLIDING in runner.attention.layer_types
     windowless = AutoModelForCausalLM.from_pretrained(target_dir)
     text_config = windowless.config.get_text_config(decoder=True)
@@ -157,7 +157,7 @@ def test_ragged_batches_of_sliding_families_match_full_forwards(name, family_mod
     """Two rows at different lengths, prefilled and then verified in ragged multi-token
     chunks in one batch: every logit row equals the model's own full forward pass."""
     target_dir, _, _ = family_models[name]
-    runner = ModelRunner(target_dir)
+    runner = ModelRunner(target_dir, max_model_len=512)
     hf = AutoModelForCausalLM.from_pretrained(target_dir)
     seqs = [list(range(300, 340)), list(range(900, 931))]  # both longer than the window
     with torch.no_grad():

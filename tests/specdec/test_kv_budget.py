@@ -1,0 +1,113 @@
+"""The KV budget: slot arithmetic (pure), and a runner that allocates once and never grows."""
+
+import pytest
+import torch
+
+from specdec.kv_budget import GiB, KVBudgetError, budget_bytes, plan_slots
+from specdec.proposers import DraftModelProposer
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.speculation_cache import SpeculativeDrafter
+
+# ----- the arithmetic ----------------------------------------------------------------------
+
+
+def test_llama_8b_at_8k_is_one_gib_a_slot():
+    # 32 layers x 8 KV heads x 128 dims x (K + V) x 2 bytes (bf16) = 128 KiB per token.
+    per_token = 32 * 8 * 128 * 2 * 2
+    plan = plan_slots(per_token, 8192, 32, budget=int(60 * GiB), free_bytes=int(64 * GiB))
+    assert plan.bytes_per_slot == GiB
+    assert plan.num_slots == 32 and plan.total_bytes == 32 * GiB  # capped at what is wanted
+    tight = plan_slots(per_token, 8192, 32, budget=int(6.5 * GiB), free_bytes=int(7 * GiB))
+    assert tight.num_slots == 6  # fewer than max_num_seqs: the rest wait
+
+
+def test_budget_from_bytes_or_fraction():
+    assert budget_bytes(1000, None, 10**9) == 1000
+    assert budget_bytes(None, 0.5, 1000) == 500
+    assert budget_bytes(None, None, 1000) is None
+    with pytest.raises(KVBudgetError, match="kv_cache_memory_bytes"):
+        budget_bytes(None, 0.5, None)
+
+
+def test_refusals_give_the_arithmetic():
+    with pytest.raises(KVBudgetError, match="holds no sequence of max_model_len=8192"):
+        plan_slots(131072, 8192, 4, budget=GiB // 2, free_bytes=None)
+    with pytest.raises(KVBudgetError, match=r"needs 4\.00 GiB .* 2\.00 GiB free"):
+        plan_slots(131072, 8192, 4, budget=None, free_bytes=2 * GiB)
+    with pytest.raises(KVBudgetError, match="device has"):
+        plan_slots(131072, 8192, 4, budget=8 * GiB, free_bytes=2 * GiB)
+    assert plan_slots(131072, 8192, 4, budget=None, free_bytes=None).num_slots == 4
+
+
+# ----- the runner ---------------------------------------------------------------------------
+
+
+def _tensors(runner):
+    return [(layer.keys, layer.values) for layer in runner.cache.layers]
+
+
+def test_cache_is_allocated_once_at_max_model_len(tiny_target):
+    runner = ModelRunner(tiny_target, max_num_seqs=3, max_model_len=64)
+    before = [(k.data_ptr(), v.data_ptr()) for k, v in _tensors(runner)]
+    for keys, _ in _tensors(runner):
+        assert keys.shape[0] == 3 and keys.shape[2] == 64 + 1  # + the scratch column
+    runner.prefill(["a", "b", "c"], [[1, 2, 3], list(range(5, 40)), [7]])
+    runner.forward(["a", "b", "c"], [[4, 5, 6, 7, 8], [9], [1, 2]])  # ragged, padded
+    runner.free("a")
+    runner.fork("b", "b2")
+    runner.forward(["c", "b2"], [list(range(10, 60)), [3]])  # b2 ends at 37, c at 53
+    runner.rollback("b2", 10)
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in _tensors(runner)] == before
+    usage = runner.kv_usage()
+    assert usage["num_slots"] == 3 and usage["used_slots"] == 3
+    assert usage["used_tokens"] == 36 + 53 + 10
+
+
+def test_budget_sets_the_slot_count(tiny_target):
+    probe = ModelRunner(tiny_target, max_num_seqs=1, max_model_len=64)
+    per_slot = probe.kv_plan.bytes_per_slot
+    runner = ModelRunner(
+        tiny_target, max_num_seqs=8, max_model_len=64, kv_cache_memory_bytes=int(2.5 * per_slot)
+    )
+    assert runner.max_num_seqs == 2 and runner.kv_plan.wanted_slots == 8
+    runner.add("a")
+    runner.add("b")
+    with pytest.raises(RuntimeError, match="KV slots"):
+        runner.add("c")
+    with pytest.raises(KVBudgetError, match="holds no sequence"):
+        ModelRunner(tiny_target, max_model_len=64, kv_cache_memory_bytes=per_slot - 1)
+
+
+def test_fork_and_free_copy_only_live_tokens(tiny_target):
+    runner = ModelRunner(tiny_target, max_num_seqs=3, max_model_len=64)
+    runner.prefill(["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]])
+    keys = runner.cache.layers[0].keys  # [slots, heads, capacity, dim]
+    keys[2].fill_(7.0)  # the free slot: what a copy must leave alone past the live tokens
+    runner.fork("b", "b2")  # into slot 2
+    assert torch.equal(keys[2, :, :6], keys[1, :, :6])
+    assert bool((keys[2, :, 6:] == 7.0).all())
+    keys[0, :, 6:].fill_(-3.0)
+    runner.free("a")  # the last slot (b2, 6 live tokens) moves into slot 0
+    assert torch.equal(keys[0, :, :6], keys[2, :, :6])
+    assert bool((keys[0, :, 6:] == -3.0).all())
+
+
+def test_branches_never_take_slots_kept_for_sequences(tiny_draft):
+    """The draft's branches and sequences share one budget: branches get only the slots
+    not kept for sequences (main_slots), and a sequence past main_slots is refused."""
+    runner = ModelRunner(tiny_draft, max_num_seqs=6, max_model_len=64)
+    drafter = SpeculativeDrafter(DraftModelProposer(runner), main_slots=4)
+    params = SamplingParams(temperature=1.0, seed=3)
+    for i in range(2):
+        drafter.add(f"s{i}", [5 + i, 6, 7], params)
+    ids = ["s0", "s1"]
+    drafter.propose(ids, [3, 3])
+    assert drafter.branch_slots() == 6 - 4  # two sequences may still come
+    branches = drafter.speculate(ids, budget=8)
+    assert len(branches) == 2 and runner.num_free_slots == 2
+    for i in range(2, 4):
+        drafter.add(f"s{i}", [5 + i, 6, 7], params)
+    assert not drafter.has_room()
+    drafter.propose(["s2", "s3"], [2, 2])  # their kept slots are there
+    assert runner.num_free_slots == 0 and drafter.branch_slots() == 0
