@@ -275,6 +275,7 @@ class SpecEngine:
                 self.draft_info = results["draft"]
                 self._warn_unchecked_pair()
                 await self._connect(self.target, self.draft, self.draft_info)
+            self._core_health = await self._call(self.target.health.remote())  # /health's KV
         except BaseException:  # failed, timed out or cancelled: no worker outlives the start
             await self.shutdown()
             raise

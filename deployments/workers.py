@@ -19,6 +19,7 @@ import ray
 import torch
 
 from deployments.config import ModelSpec
+from deployments.draft_link import GIVE_UP
 from specdec.policy import SpeculationWidth
 from specdec.proposers import DraftModelProposer
 from specdec.qcodec import CompactQ
@@ -27,10 +28,6 @@ from specdec.sampling import SamplingParams
 from specdec.speculation_cache import Drafts, SpeculativeDrafter
 
 logger = logging.getLogger("specserve.workers")
-
-# In place of a guess in a pushed draft item: the draft gave up on this sequence (it failed
-# there alone); the core decodes it target-only from then on.
-GIVE_UP = "give_up"
 
 
 def _device(spec: ModelSpec) -> str:

@@ -24,6 +24,7 @@ from specdec.attention import (
 )
 from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, plan_slots
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
+from specdec.kv_manager import SlotTable
 
 logger = logging.getLogger("specserve.runner")
 
@@ -85,8 +86,6 @@ class ModelRunner:
         # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self._slot: dict[Hashable, int] = {}  # seq_id -> slot
-        self._length: list[int] = []  # slot -> cached tokens
         self.kv_plan = self._allocate_kv(
             max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction
         )
@@ -98,7 +97,7 @@ class ModelRunner:
         """Learn the cache's per-token size from one probe token (heads, head_dim and
         dtype per layer, whatever the family calls them), then allocate it for good."""
         self.cache = SlotKVCache(self.attention.num_layers, num_slots=1, capacity=2)
-        self.max_num_seqs = 1
+        self.slots = SlotTable(1)
         self.add("kv-probe")
         try:
             self.forward_padded(["kv-probe"], [[0]], last_only=True)
@@ -113,6 +112,7 @@ class ModelRunner:
             free,
         )
         self.cache.allocate(plan.num_slots, self.max_model_len + 1)  # + the scratch column
+        self.slots = SlotTable(plan.num_slots)
         if plan.num_slots < wanted:
             logger.warning(
                 "KV cache: the budget holds %d of the %d sequences wanted at max_model_len=%d "
@@ -128,78 +128,60 @@ class ModelRunner:
 
     @property
     def num_seqs(self) -> int:
-        return len(self._slot)
+        return len(self.slots)
 
     @property
     def seq_ids(self) -> list[Hashable]:
-        return list(self._slot)
+        return self.slots.seq_ids
 
     def holds(self, seq_id: Hashable) -> bool:
-        return seq_id in self._slot
+        return seq_id in self.slots
 
     @property
     def num_free_slots(self) -> int:
-        return self.max_num_seqs - len(self._slot)
+        return self.slots.num_free
 
     def kv_usage(self) -> dict[str, int | float]:
         """Slots and tokens in use against what was allocated (a metric and /health)."""
-        tokens = sum(self._length)
+        tokens = self.slots.cached_tokens
         capacity = self.max_num_seqs * self.max_model_len
         return {
             "num_slots": self.max_num_seqs,
-            "used_slots": len(self._slot),
+            "used_slots": len(self.slots),
             "used_tokens": tokens,
             "capacity_tokens": capacity,
-            "usage": len(self._slot) / self.max_num_seqs,
+            "usage": len(self.slots) / self.max_num_seqs,
             "token_usage": tokens / capacity,
             "allocated_bytes": self.kv_plan.total_bytes,
             "bytes_per_token": self.kv_plan.bytes_per_token,
         }
 
     def add(self, seq_id: Hashable) -> None:
-        """Register a new, empty sequence."""
-        if seq_id in self._slot:
-            raise KeyError(f"sequence {seq_id!r} already exists")
-        if len(self._slot) >= self.max_num_seqs:
-            raise RuntimeError(f"runner is full: max_num_seqs={self.max_num_seqs} KV slots")
-        self._slot[seq_id] = len(self._length)
-        self._length.append(0)
+        """Register a new, empty sequence (in a free KV slot)."""
+        self.slots.add(seq_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Forget a sequence; the last slot's live tokens move into its place (slots stay
         dense, so a batch of every sequence reads the cache as a view)."""
-        slot = self._slot.pop(seq_id)
-        last = len(self._length) - 1
-        if slot != last:
-            moved = next(s for s, sl in self._slot.items() if sl == last)
-            self.cache.copy_slot(last, slot, self._length[last])
-            self._slot[moved] = slot
-            self._length[slot] = self._length[last]
-        self._length.pop()
+        move = self.slots.free(seq_id)
+        if move is not None:
+            self.cache.copy_slot(*move)
 
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Start sequence ``dst`` as a copy of ``src`` (its live keys/values and length)."""
-        self.add(dst)
-        src_slot, dst_slot = self._slot[src], self._slot[dst]
-        self.cache.copy_slot(src_slot, dst_slot, self._length[src_slot])
-        self._length[dst_slot] = self._length[src_slot]
+        self.cache.copy_slot(*self.slots.fork(src, dst))
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         """Give sequence ``old`` the id ``new`` (which must be free); no data moves."""
-        if new in self._slot:
-            raise KeyError(f"sequence {new!r} already exists")
-        self._slot[new] = self._slot.pop(old)
+        self.slots.rename(old, new)
 
     def length(self, seq_id: Hashable) -> int:
         """Number of tokens whose keys/values are cached for ``seq_id``."""
-        return self._length[self._slot[seq_id]]
+        return self.slots.length(seq_id)
 
     def rollback(self, seq_id: Hashable, length: int) -> None:
         """Keep only the first ``length`` cached positions (a pointer move, no copy)."""
-        slot = self._slot[seq_id]
-        if not 0 <= length <= self._length[slot]:
-            raise ValueError(f"cannot roll {seq_id!r} back to {length} (has {self._length[slot]})")
-        self._length[slot] = length
+        self.slots.rollback(seq_id, length)
 
     # ----- forward --------------------------------------------------------------------
 
@@ -246,11 +228,11 @@ class ModelRunner:
             return self._chunked_last(seq_ids, token_ids)
         batch = len(seq_ids)
         # Run rows in slot order so that a batch of consecutive slots reads a view.
-        slot_of = [self._slot[sid] for sid in seq_ids]
+        slot_of = [self.slots.slot(sid) for sid in seq_ids]
         in_order = all(a < b for a, b in itertools.pairwise(slot_of))
         order = list(range(batch)) if in_order else sorted(range(batch), key=slot_of.__getitem__)
         slots = [slot_of[i] for i in order]
-        starts = [self._length[s] for s in slots]
+        starts = [self.slots.length_of_slot(s) for s in slots]
         ns = [counts[i] for i in order]
         n = max(ns)
         ends = [st + c for st, c in zip(starts, ns, strict=True)]
@@ -325,7 +307,7 @@ class ModelRunner:
             last = torch.tensor(ns, device=logits.device) - 1
             logits = logits[torch.arange(batch, device=logits.device), last][:, None]
         for row in range(batch):
-            self._length[slots[row]] = ends[row]
+            self.slots.set_length(seq_ids[order[row]], ends[row])
         if not in_order:
             inverse = [0] * batch
             for row, i in enumerate(order):

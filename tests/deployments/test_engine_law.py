@@ -205,7 +205,7 @@ def run_in_process(
 
     Drafting and verification are the engine's own code (DraftModelProposer with the
     same confidence threshold, ``verify_rows`` with ``sampler`` patched under it); the
-    draft length per round follows the engine core's rule (``_k_for``).
+    draft length per round follows the engine core's rule (``Scheduler.k_for``).
     """
     n = len(jobs)
     old = specdec.verify.rejection_sample
@@ -237,8 +237,8 @@ def run_in_process(
                 for r, s in enumerate(live):
                     c = min(ks[r], int(prop.num_draft_tokens[r]))  # a prefix is a valid draft
                     drafts[r] = prop.draft_token_ids[r, :c].tolist()
-                    if prop.draft_probs is not None and not s.params.is_greedy:
-                        qs[r] = prop.draft_probs[r, :c]
+                    if not s.params.is_greedy:
+                        qs[r] = prop.q(r)[:c]
             ids = [s.seq_id for s in live]
             cached = [tr.length(i) for i in ids]
             logits = tr.forward_padded(

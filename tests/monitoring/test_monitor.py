@@ -61,7 +61,17 @@ def test_counters_give_the_k_free_acceptance_estimate(monitor):
     mon, reader, _ = monitor
     rng = np.random.default_rng(0)
     recs = rounds(rng, "python", 0.8, 2000)
-    mon.report(batch(recs, verify_s=[0.01] * 5, running=3, waiting=1, committed={"python": 77}))
+    mon.report(
+        batch(
+            recs,
+            verify_s=[0.01] * 5,
+            running=3,
+            waiting=1,
+            committed={"python": 77},
+            kv_cache_usage=0.75,
+            kv_cache_token_usage=0.25,
+        )
+    )
     key = frozenset({"model": "demo-target", "replica": "r1", "domain": "python"}.items())
     accepted = points(reader, "specserve.spec_decode.num_accepted_tokens")[key]
     rejections = points(reader, "specserve.spec_decode.num_rejection_rounds")[key]
@@ -75,6 +85,8 @@ def test_counters_give_the_k_free_acceptance_estimate(monitor):
     assert points(reader, "specserve.generation.tokens")[key] == 77
     base = frozenset({"model": "demo-target", "replica": "r1"}.items())
     assert points(reader, "specserve.scheduler.running")[base] == 3
+    assert points(reader, "specserve.kv_cache.usage")[base] == 0.75
+    assert points(reader, "specserve.kv_cache.token_usage")[base] == 0.25
     hits = points(reader, "specserve.speculation.cache_hits")[base]
     misses = points(reader, "specserve.speculation.cache_misses")[base]
     assert hits + misses == 2000
@@ -194,7 +206,7 @@ def test_policy_choices_become_gauges(monitor):
 
 
 def test_core_telemetry_is_bounded_and_drains():
-    from deployments.core import Telemetry
+    from deployments.round_stats import Telemetry
 
     t = Telemetry(max_rounds=5)
     for i in range(4):

@@ -1,0 +1,196 @@
+"""The engine core's scheduler: who waits, who runs, and how many drafts each row gets.
+
+As vLLM v1 separates its ``Scheduler`` from the ``EngineCore`` that executes, this class
+decides and the core acts: admission in arrival order while KV slots are free (never
+more than ``max_num_seqs``), aborts, the draft length of every row each round (the
+request's k or the length policy's choice, within max_tokens and both models' context),
+when a row the policy keeps at k = 0 leaves the draft and when it comes back, and which
+k a round measures for the policy's cost model. It holds no model, no actor and no
+lock: the core's loop thread is its only caller, and the tests drive it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import asdict, dataclass, field
+
+from specdec.policy import SpeculationLength
+from specdec.sequence import SequenceState
+
+# A row the length policy keeps at k = 0 this many rounds in a row leaves the draft (no
+# per-round messages, no branches); fewer, and it stays: resuming costs a full prefill.
+PAUSE_AFTER_ROUNDS = 8
+
+
+@dataclass
+class RunningSeq:
+    """A running sequence as the scheduler and the core's loop see it."""
+
+    state: SequenceState
+    k: int  # requested draft length (0: target-only)
+    k_next: int = 0  # draft length asked of the draft for the next round
+    guess: tuple[int, ...] = ()  # what the last round committed: the key of the next drafts
+    synced: bool = False  # the draft has this sequence's tokens
+    base_len: int = 0  # committed tokens before the last round's
+    domain: str = "default"  # the traffic domain (policy and telemetry key)
+    auto: bool = False  # k comes from the length policy, capped at ``k``
+    zero_rounds: int = 0  # consecutive rounds the policy chose k = 0 for it
+    paused: bool = False  # ... PAUSE_AFTER_ROUNDS of them: the draft was told to free it
+    resuming: bool = False  # sent in full after a pause: its next drafts start with a prefill
+    # drafted, accepted, rounds with drafts, cache hits
+    stats: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+
+    @property
+    def seq_id(self) -> Hashable:
+        return self.state.seq_id
+
+
+class Scheduler:
+    """Admission, the running set and draft lengths; see the module docstring."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        draft_max_model_len: int,
+        policy: SpeculationLength | None = None,
+    ):
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.draft_max_model_len = draft_max_model_len
+        self.policy = policy
+        self.waiting: list[tuple] = []  # request items, in arrival order
+        self.running: dict[Hashable, RunningSeq] = {}
+        self.has_draft = False  # a draft is connected (no draft: every k is 0)
+        self.forced: int | None = None  # this round's cost-measurement k, if any
+        self.dropped: list[Hashable] = []  # rows the draft must free (paused, given up)
+        self.paused = 0  # rows the policy took out of the draft, and sent back in full
+        self.resumed = 0
+
+    # ----- admission ------------------------------------------------------------------------
+
+    def enqueue(self, items: list[tuple]) -> None:
+        self.waiting.extend(items)
+
+    def abort(self, seq_ids: set[Hashable]) -> list[Hashable]:
+        """Drop aborted requests that still wait; returns the running ones to free."""
+        if not seq_ids:
+            return []
+        self.waiting = [item for item in self.waiting if item[0] not in seq_ids]
+        return [sid for sid in seq_ids if sid in self.running]
+
+    def admit(self, free_slots: int) -> list[tuple]:
+        """The waiting items to start now: in order, as many as KV slots are free and
+        max_num_seqs allows; the others keep waiting (a full cache queues, never fails)."""
+        room = max(0, min(self.max_num_seqs - len(self.running), free_slots))
+        batch, self.waiting = self.waiting[:room], self.waiting[room:]
+        return batch
+
+    def start(self, seq: RunningSeq) -> None:
+        seq.auto = seq.auto and self.policy is not None
+        self.running[seq.seq_id] = seq
+
+    def finish(self, seq_id: Hashable) -> RunningSeq | None:
+        return self.running.pop(seq_id, None)
+
+    # ----- draft lengths ----------------------------------------------------------------------
+
+    def k_for(self, seq: RunningSeq) -> int:
+        """Draft length for the next round: the request's k or the policy's choice, never
+        past max_tokens or either model's context."""
+        if not self.has_draft or seq.k <= 0:
+            return 0
+        k = seq.k
+        if seq.auto:
+            k = min(k, self.policy.choose(seq.domain, len(self.running), forced=self.forced))
+        st = seq.state
+        length = len(st.prompt_token_ids) + len(st.output_token_ids)
+        return max(
+            0,
+            min(
+                k,
+                st.params.max_tokens - len(st.output_token_ids) - 1,
+                self.max_model_len - length,
+                self.draft_max_model_len - length - 1,
+            ),
+        )
+
+    def draft_item(self, seq: RunningSeq) -> tuple | None:
+        """What the draft needs for the sequence's next round, or None once the length
+        policy has kept it at k = 0 for PAUSE_AFTER_ROUNDS rounds: then the draft forgets
+        the sequence (no message per round, no branches held: idle drafting only competes
+        with verification for the cores; it is added to :attr:`dropped`) and gets it back
+        in full when the policy drafts for it again. Cost measurements at k = 0 (forced)
+        do not count towards a pause.
+
+        An item is ``(seq_id, base_len, new_tokens, k, full_tokens, params)``."""
+        seq.k_next = self.k_for(seq)
+        st = seq.state
+        if seq.k_next > 0 or not seq.auto:
+            seq.zero_rounds = 0
+        elif self.forced is None:
+            seq.zero_rounds += 1
+        if seq.k_next == 0 and seq.auto and (seq.paused or seq.zero_rounds >= PAUSE_AFTER_ROUNDS):
+            if not seq.paused:  # (freeing is idempotent: also when synced was lost)
+                seq.paused, seq.synced = True, False
+                self.dropped.append(st.seq_id)
+                self.paused += 1
+            return None
+        if seq.paused:
+            seq.paused, seq.resuming = False, True
+            self.resumed += 1
+        if seq.synced:
+            return (st.seq_id, seq.base_len, list(seq.guess), seq.k_next, None, None)
+        seq.synced = True
+        return (st.seq_id, 0, list(seq.guess), seq.k_next, st.token_ids, asdict(st.params))
+
+    def full_items(self) -> list[tuple]:
+        """Every drafted sequence in full, for a draft that knows none of them."""
+        for seq in self.running.values():
+            seq.synced = False
+        items = [self.draft_item(seq) for seq in self.running.values() if seq.k > 0]
+        return [item for item in items if item is not None]
+
+    def unsync_all(self) -> None:
+        """The draft is gone: whichever comes next gets every sequence in full."""
+        for seq in self.running.values():
+            seq.synced = False
+
+    def give_up(self, seq: RunningSeq) -> None:
+        """Drafting failed for this row alone: target-only from now on (and the draft,
+        which may have taken it back since, is told to free it: freeing is idempotent)."""
+        seq.k = seq.k_next = 0
+        self.dropped.append(seq.seq_id)
+
+    def take_dropped(self) -> list[Hashable]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+    # ----- the length policy --------------------------------------------------------------------
+
+    def take_drift_alerts(self, alerts: list[tuple[str, float]]) -> None:
+        """Hand alerts to the policy (before any k is chosen: a sequence admitted right
+        after an alert already drafts at the k the alert implies)."""
+        if self.policy is not None:
+            for domain, alpha in alerts:
+                self.policy.on_drift(domain, alpha)
+
+    def plan_round(self, batch_size: int, alerts: list[tuple[str, float]]) -> None:
+        """Before the next round's draft lengths are chosen: drift alerts that came in,
+        and whether the next round measures the cost of one k (see SpeculationLength)."""
+        if self.policy is None:
+            return
+        self.take_drift_alerts(alerts)
+        self.forced = self.policy.plan_round(batch_size)
+
+    def observe_round(
+        self, outcomes: list[tuple], batch_size: int, planned: int, total_s: float, resuming: bool
+    ) -> None:
+        """A round ended: acceptance per domain, and (unless rows resumed, whose drafts
+        began with a prefill) what a round of ``batch_size`` rows at ``planned`` cost."""
+        if self.policy is None:
+            return
+        for domain, drafted, accepted, _hit in outcomes:
+            self.policy.observe_round(domain, drafted, accepted)
+        if not resuming:
+            self.policy.observe_round_time(batch_size, planned, total_s)
