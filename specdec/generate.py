@@ -118,8 +118,8 @@ def generate_speculative(
             cached = target.length(seq_id)
             logits = target.forward([seq_id], [[seq.last_token_id, *drafts]])[0]  # [n + 1, vocab]
             p = probs_for([params], logits[None])  # [1, n + 1, vocab]
-            q = proposal.draft_probs
-            q = None if q is None else dequantize_q(q[:, :n])  # [1, n, draft vocab] float32
+            q = proposal.q(0) if proposal.kind == "probs" else None  # [k, draft vocab] or None
+            q = None if q is None else dequantize_q(q[None, :n])  # [1, n, draft vocab] float32
             if q is not None and q.shape[-1] < logits.shape[-1]:  # a draft over fewer ids
                 q = torch.nn.functional.pad(q, (0, logits.shape[-1] - q.shape[-1]))
             if q is None and proposal.kind == "probs":  # greedy: q is the point mass at each draft

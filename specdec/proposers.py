@@ -27,14 +27,21 @@ class Proposal:
 
     draft_token_ids: torch.Tensor  # [batch, k] int64
     num_draft_tokens: torch.Tensor  # [batch] int64
-    # [batch, k, vocab] q as float16 weights (specdec.qcodec.dequantize_q gives the float32
-    # distribution), or None for point mass/uniform
+    # [len(probs_rows), k, vocab] q as float16 weights (specdec.qcodec.dequantize_q gives
+    # the float32 distribution) of the sampled rows only, or None (point mass, all greedy)
     draft_probs: torch.Tensor | None
     kind: ProposalKind
     # The draft's likeliest tokens at each position and their probabilities under its raw
     # (untransformed) distribution: the speculation cache guesses outcomes from them.
     top_token_ids: torch.Tensor | None = None  # [batch, k, m] int64
     top_probs: torch.Tensor | None = None  # [batch, k, m] float32
+    probs_rows: tuple[int, ...] = ()  # the batch row of each draft_probs row
+
+    def q(self, row: int) -> torch.Tensor | None:
+        """Batch row ``row``'s q (``[k, vocab]`` float16 weights), None for a greedy row."""
+        if self.draft_probs is None or row not in self.probs_rows:
+            return None
+        return self.draft_probs[self.probs_rows.index(row)]
 
 
 class Proposer(ABC):
@@ -153,8 +160,8 @@ class DraftModelProposer(Proposer):
         ``should_stop`` is checked before each draft step; when it says so, drafting ends
         and None is returned (the caches keep what was fed and resynchronise next time).
 
-        Greedy rows take the argmax and carry no ``q`` (argmax matching needs none);
-        ``draft_probs`` is allocated only when some row samples, and is zero on greedy rows.
+        Greedy rows take the argmax and carry no ``q`` (argmax matching needs none):
+        ``draft_probs`` holds the sampled rows only (``probs_rows``; :meth:`Proposal.q`).
         """
         batch = len(seqs)
         ids = [s.seq_id for s in seqs]
@@ -163,12 +170,13 @@ class DraftModelProposer(Proposer):
         dev = self.runner.device  # every tensor of the proposal lives with the draft model
         draft = torch.zeros(batch, k, dtype=torch.long, device=dev)
         counts = torch.full((batch,), k, dtype=torch.long, device=dev)
-        sampling = any(not sp.is_greedy for sp in params)
+        probs_rows = tuple(r for r in range(batch) if not params[r].is_greedy)
+        probs_row = {r: i for i, r in enumerate(probs_rows)}
         # q as the float16 weights the draft samples from (specdec.qcodec): half the bytes,
-        # and what travels to the verifier as it is.
+        # and what travels to the verifier as it is; rows of sampled sequences only.
         probs = (
-            torch.zeros(batch, k, self.vocab_limit, dtype=torch.float16, device=dev)
-            if sampling
+            torch.zeros(len(probs_rows), k, self.vocab_limit, dtype=torch.float16, device=dev)
+            if probs_rows
             else None
         )
         top_ids = torch.zeros(batch, k, top_m, dtype=torch.long, device=dev) if top_m else None
@@ -196,7 +204,7 @@ class DraftModelProposer(Proposer):
                     for j in sampled
                 ]
                 tokens[at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
-                probs[torch.tensor([active[j] for j in sampled], device=dev), i] = w
+                probs[torch.tensor([probs_row[active[j]] for j in sampled], device=dev), i] = w
             draft[rows, i] = tokens
             for r in active:
                 self._cached[ids[r]].extend(feed[r])
@@ -211,7 +219,7 @@ class DraftModelProposer(Proposer):
                 active = [r for r, c in zip(active, conf, strict=True) if c >= self.min_confidence]
                 if not active:
                     break
-        return Proposal(draft, counts, probs, self.kind, top_ids, top_p)
+        return Proposal(draft, counts, probs, self.kind, top_ids, top_p, probs_rows)
 
 
 def _top(

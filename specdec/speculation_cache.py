@@ -314,7 +314,7 @@ def _drafts_of(prop, row: int, n: int, params: SamplingParams) -> Drafts:
     n = min(n, int(prop.num_draft_tokens[row]))  # a row may have stopped early
     return Drafts(
         prop.draft_token_ids[row, :n].tolist(),
-        None if params.is_greedy else prop.draft_probs[row, :n].clone(),
+        None if params.is_greedy else prop.q(row)[:n].clone(),
         prop.top_token_ids[row, :n],
         prop.top_probs[row, :n],
     )

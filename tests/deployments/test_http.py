@@ -76,6 +76,9 @@ def test_models_and_health(base_url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ok" and health["target"] and health["draft"]
+    kv = health["kv_cache"]  # the target's slots, allocated once at startup
+    assert kv["num_slots"] >= 1 and kv["allocated_bytes"] > 0
+    assert 0 <= kv["used_slots"] <= kv["num_slots"] and 0.0 <= kv["usage"] <= 1.0
 
 
 def test_greedy_completion_equals_target_only(client, tokenizer):

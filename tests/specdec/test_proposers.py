@@ -85,3 +85,25 @@ def test_drafts_stay_within_the_shared_ids_on_every_path(tiny_target, tmp_path):
     assert prop.draft_probs.shape[-1] == limit and prop.num_draft_tokens.tolist() == [6, 6, 6]
     bonus_ids, _ = proposer.extend(seqs, 4)
     assert int(bonus_ids.max()) < limit
+
+
+def test_q_is_kept_for_sampled_rows_only(tiny_draft):
+    """A batch mixing greedy and sampled rows: the draft's q buffer has the sampled rows'
+    distributions and nothing for greedy rows (no [batch, k, vocab] for rows that need none)."""
+    proposer = DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=4))
+    seqs = [
+        SequenceState("g0", [5, 9, 14], SamplingParams(temperature=0.0)),
+        SequenceState("s0", [5, 9, 14], SamplingParams(temperature=1.0, seed=1)),
+        SequenceState("g1", [7, 8], SamplingParams(temperature=0.0)),
+        SequenceState("s1", [7, 8], SamplingParams(temperature=0.7, top_k=5, seed=2)),
+    ]
+    prop = proposer.propose(seqs, 3)
+    assert prop.probs_rows == (1, 3) and prop.draft_probs.shape[:2] == (2, 3)
+    assert prop.q(0) is None and prop.q(2) is None
+    for row in (1, 3):
+        q = prop.q(row).float()  # [k, vocab]
+        assert torch.allclose(q.sum(-1), torch.ones(3), atol=1e-2)
+        drafted = prop.draft_token_ids[row]
+        assert bool((q.gather(-1, drafted[:, None]) > 0).all())  # drawn from its own q
+    assert int((prop.q(3).float() > 0).sum(-1).max()) <= 5  # top-k truncated
+    assert proposer.propose(seqs[::2], 3).draft_probs is None  # all greedy: no buffer
