@@ -270,6 +270,14 @@ class EngineConfig(_Strict):
         default_factory=lambda: WorkerResources(num_cpus=0.5),
         description="Resources of the engine replica itself (scheduling, HTTP-side work).",
     )
+    draft_placement: Literal["actor", "colocated"] = Field(
+        default="actor",
+        description="'actor': the draft runs in its own actor (its own GPU or node), drafting "
+        "ahead while the target verifies (speculation.mode overlap). 'colocated': the draft "
+        "runs in the target's process, on the target's device and out of the target's KV "
+        "budget, and the two take turns (no actor messages, one CUDA context): the shape "
+        "for a pair that shares one device. draft_resources are then unused.",
+    )
     placement_strategy: PlacementStrategy = Field(
         default="PACK",
         description="PACK: one node if possible; SPREAD: prefer different nodes; "
@@ -299,7 +307,27 @@ class EngineConfig(_Strict):
             raise ValueError("num_speculative_tokens must be <= max_speculative_tokens")
         if self.placement_strategy == "STRICT_SPREAD" and self.draft is None:
             raise ValueError("STRICT_SPREAD places draft and target apart; it needs a draft model")
+        if self.draft_placement == "colocated":
+            self._check_colocated()
         return self
+
+    def _check_colocated(self) -> None:
+        if self.draft is None:
+            raise ValueError("draft_placement 'colocated' needs a draft model")
+        if self.placement_strategy == "STRICT_SPREAD":
+            raise ValueError(
+                "draft_placement 'colocated' puts the draft with the target; "
+                "STRICT_SPREAD asks for them apart"
+            )
+        if self.transport != "actor":
+            raise ValueError("transport: a colocated draft sends no messages; leave 'actor'")
+        if "mode" not in self.speculation.model_fields_set:
+            self.speculation.mode = "sequential"  # draft and target take turns
+        elif self.speculation.mode == "overlap":
+            raise ValueError(
+                "speculation.mode 'overlap' drafts while the target verifies, which needs the "
+                "draft in its own actor; with draft_placement 'colocated' use 'sequential'"
+            )
 
     @property
     def model_name(self) -> str:

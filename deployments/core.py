@@ -41,14 +41,18 @@ from typing import Any, ClassVar
 import ray
 import torch
 
+from deployments.colocated import ColocatedDraftLink
 from deployments.config import ModelSpec
 from deployments.draft_link import DraftLink
+from deployments.drafting import DraftRounds
 from deployments.round_stats import RoundTimings, Telemetry
 from deployments.scheduler import RunningSeq, Scheduler
 from deployments.workers import configure_thread, load_runner, worker_info
 from specdec.policy import SpeculationLength
+from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
+from specdec.speculation_cache import SpeculativeDrafter
 from specdec.verify import VerifyRow, sample_next, verify_rows
 
 __all__ = ["EngineCore", "RoundTimings", "Telemetry", "token_logprobs"]
@@ -102,9 +106,21 @@ class EngineCore:
         transport: str = "actor",
         length_policy: dict | None = None,
         telemetry: bool = False,
+        colocated_draft: dict | None = None,
     ):
+        """``colocated_draft``: ``{"spec", "min_confidence", "tokenizer_size"}`` to run the
+        draft in this process (:mod:`deployments.colocated`); None: a draft actor is
+        connected with :meth:`set_draft`."""
         self.spec = ModelSpec.model_validate(spec)
-        self.runner = load_runner(self.spec, max_num_seqs)
+        self.draft_runner = None
+        if colocated_draft is None:
+            self.runner = load_runner(self.spec, max_num_seqs)
+        else:  # the draft first: the target plans one KV budget for both
+            self.draft_runner = load_runner(
+                ModelSpec.model_validate(colocated_draft["spec"]), max_num_seqs, defer_kv=True
+            )
+            self.runner = load_runner(self.spec, max_num_seqs, kv_shared_with=self.draft_runner)
+            draft_max_model_len = self.draft_runner.max_model_len
         # k per domain and batch size for requests that do not set their own (None: fixed).
         policy = SpeculationLength(**length_policy) if length_policy else None
         self.scheduler = Scheduler(
@@ -126,7 +142,11 @@ class EngineCore:
         self._new: list[tuple] = []
         self._aborts: set[Hashable] = set()
         self._seq_ids: set[Hashable] = set()  # every request added and not yet ended
-        self.link = DraftLink(transport, is_live=self._seq_ids.__contains__)
+        self.link = (
+            DraftLink(transport, is_live=self._seq_ids.__contains__)
+            if colocated_draft is None
+            else self._colocated_link(colocated_draft)
+        )
         self._out_cv = threading.Condition()
         self._outbox: list[tuple] = []
         self._out_base = 0
@@ -141,11 +161,24 @@ class EngineCore:
         self._thread.daemon = True
         self._thread.start()
 
+    def _colocated_link(self, cfg: dict) -> ColocatedDraftLink:
+        """The draft in this process, proposing the ids both models and the tokenizer
+        share, keeping a slot for every target slot (the budget planned them together)."""
+        limits = [self.runner.vocab_size, self.draft_runner.vocab_size]
+        if cfg.get("tokenizer_size"):
+            limits.append(cfg["tokenizer_size"])
+        proposer = DraftModelProposer(self.draft_runner, cfg["min_confidence"], min(limits))
+        drafter = SpeculativeDrafter(proposer, main_slots=self.draft_runner.max_num_seqs)
+        return ColocatedDraftLink(DraftRounds(drafter))
+
     # ----- calls (each in its concurrency group) ------------------------------------------
 
     @ray.method(concurrency_group="control")
     def ready(self) -> dict[str, Any]:
-        return {**worker_info(self.runner), "eos_token_ids": sorted(self.eos_token_ids)}
+        info = {**worker_info(self.runner), "eos_token_ids": sorted(self.eos_token_ids)}
+        if self.draft_runner is not None:
+            info["draft"] = worker_info(self.draft_runner)
+        return info
 
     @ray.method(concurrency_group="control")
     def add_requests(self, items: list[tuple]) -> None:
@@ -216,12 +249,16 @@ class EngineCore:
         """Sequences the loop runs and those whose KV the target holds (equal unless a
         path leaks a slot; checked by the fault tests)."""
         with self._cv:
-            return {
+            out = {
                 "running": list(self.scheduler.running),
                 "runner": list(self.runner.seq_ids),
                 # per-sequence state kept beside the batch: empty once nothing runs
                 "kept": sorted(map(str, self.link.kept() | self._seq_ids)),
             }
+            if self.draft_runner is not None:  # as the draft actor reports them
+                drafter = self.link.rounds.drafter
+                out["draft"] = {"drafter": list(drafter.seqs), "runner": self.draft_runner.seq_ids}
+            return out
 
     @ray.method(concurrency_group="control")
     def health(self) -> dict[str, Any]:
@@ -232,6 +269,10 @@ class EngineCore:
             "failed_requests": self.failed_requests,
             "loop_alive": self._thread.is_alive(),
             "kv_cache": self.runner.kv_usage(),
+            "draft_kv_cache": None if self.draft_runner is None else self.draft_runner.kv_usage(),
+            "draft_failed_sequences": (
+                self.link.rounds.failed_sequences if self.draft_runner is not None else None
+            ),
         }
 
     @ray.method(concurrency_group="push")

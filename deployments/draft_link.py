@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-logger = logging.getLogger("specserve.draft_link")
+from deployments.drafting import GIVE_UP
 
-# In place of a guess in a pushed draft item: the draft gave up on this sequence (it failed
-# there alone); the core decodes it target-only from then on.
-GIVE_UP = "give_up"
+logger = logging.getLogger("specserve.draft_link")
 
 
 @dataclass

@@ -208,8 +208,23 @@ class SpecEngine:
                 cfg.transport,
                 self._length_policy(),
                 self.telemetry is not None,
+                self._colocated_draft(),
             )
         )
+
+    @property
+    def colocated(self) -> bool:
+        """The draft runs in the core's process (config ``draft_placement``)."""
+        return self.config.draft is not None and self.config.draft_placement == "colocated"
+
+    def _colocated_draft(self) -> dict[str, Any] | None:
+        if not self.colocated:
+            return None
+        return {
+            "spec": self.config.draft.model_dump(),
+            "min_confidence": self.config.speculation.draft_confidence_threshold,
+            "tokenizer_size": len(self.tokenizer) if self.tokenizer is not None else None,
+        }
 
     def _spawn_draft(self):
         cfg = self.config
@@ -254,7 +269,7 @@ class SpecEngine:
         engine with its reason (Serve then reports the deployment as failed)."""
         cfg = self.config
         try:
-            if cfg.draft is not None:
+            if cfg.draft is not None and not self.colocated:
                 self.draft = self._spawn_draft()
             self.target = self._spawn_target()
             workers = {"target": self.target}
@@ -271,6 +286,9 @@ class SpecEngine:
                     )
                 )
             self.target_info = results["target"]
+            if self.colocated:
+                self.draft_info = self.target_info.pop("draft")
+                self._warn_unchecked_pair()
             if self.draft is not None:
                 self.draft_info = results["draft"]
                 self._warn_unchecked_pair()
@@ -373,6 +391,8 @@ class SpecEngine:
             return "unavailable"
         if self._replacing_target:
             return "degraded"
+        if self.colocated:
+            return "ok"  # the draft lives and dies with the target
         if self.config.draft is not None and not (self.draft is not None and self.draft_info):
             return "degraded"
         return "ok"
@@ -382,7 +402,7 @@ class SpecEngine:
             "status": self.status,
             "ready": self.ready,
             "target": bool(self.target_info),
-            "draft": self.draft is not None and bool(self.draft_info),
+            "draft": (self.draft is not None or self.colocated) and bool(self.draft_info),
             "draft_restarting": self._draft_restarting is not None,
             "target_restarting": self._replacing_target,
             "target_restarts": self._target_restarts,
@@ -401,6 +421,8 @@ class SpecEngine:
         """What each worker holds, for leak checks: see EngineCore/DraftWorker.seq_ids."""
         out: dict[str, Any] = {"requests": sorted(map(str, self._requests))}
         out["target"] = await self._call(self.target.seq_ids.remote())
+        if "draft" in out["target"]:  # colocated: the core holds the draft's sequences
+            out["draft"] = out["target"].pop("draft")
         if self.draft is not None:
             out["draft"] = await self._call(self.draft.seq_ids.remote())
         return out
@@ -698,6 +720,8 @@ class SpecEngine:
             self._drift_cursor = None  # a new core's policy: only the alerts firing now
             try:
                 self.target_info = await self._await_ready(self.target)
+                if self.colocated:
+                    self.draft_info = self.target_info.pop("draft")
             except Exception as exc:  # any failure of the new core: try another one
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)

@@ -58,7 +58,7 @@ def placement_for(config: EngineConfig) -> Placement:
     """
     engine = bundle(config.engine_resources)
     target = bundle(config.target_resources)
-    if config.draft is None:
+    if config.draft is None or config.draft_placement == "colocated":  # no draft actor
         return Placement([engine, target], config.placement_strategy, TARGET_BUNDLE, None)
     draft = bundle(config.draft_resources)
     if config.placement_strategy == "STRICT_SPREAD":

@@ -7,25 +7,21 @@ sampled requests; greedy verification needs no ``q``), never logits of the targe
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Hashable
 from typing import Any, ClassVar
 
 import ray
 import torch
 
 from deployments.config import ModelSpec
-from deployments.draft_link import GIVE_UP
+from deployments.drafting import DraftRounds, push_item
 from specdec.policy import SpeculationWidth
 from specdec.proposers import DraftModelProposer
-from specdec.qcodec import CompactQ
 from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.speculation_cache import Drafts, SpeculativeDrafter
+from specdec.speculation_cache import SpeculativeDrafter
 
 logger = logging.getLogger("specserve.workers")
 
@@ -46,7 +42,13 @@ def configure_thread(spec: ModelSpec) -> None:
         torch.set_default_device(spec.default_device)  # per thread, as grad mode
 
 
-def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
+def load_runner(
+    spec: ModelSpec, max_num_seqs: int, defer_kv: bool = False, kv_shared_with=None
+) -> ModelRunner:
+    """The spec's model on its device with its KV cache (see ModelRunner for the two
+    keyword arguments: a colocated draft's cache comes out of the target's budget). The
+    calling thread is configured for the spec once loaded, except for a deferred
+    (colocated) draft: the target loads after it, with torch's defaults."""
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     device = _device(spec)
@@ -61,21 +63,29 @@ def load_runner(spec: ModelSpec, max_num_seqs: int) -> ModelRunner:
         trust_remote_code=spec.trust_remote_code,
         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
         kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
+        defer_kv=defer_kv,
+        kv_shared_with=kv_shared_with,
     )
-    configure_thread(spec)  # after loading: from_pretrained may use the default device
+    if not defer_kv:
+        configure_thread(spec)  # after loading: from_pretrained may use the default device
     size = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     logger.info(
-        "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d; KV cache "
-        "%.2f GB: %d slots of %d tokens",
+        "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d",
         spec.model,
         time.monotonic() - started,
         size / 1e9,
         runner.vocab_size,
         runner.max_model_len,
-        runner.kv_plan.total_bytes / 1e9,
-        runner.max_num_seqs,
-        runner.max_model_len,
     )
+    for r in (runner, kv_shared_with):
+        if r is not None and r.kv_plan is not None:
+            logger.info(
+                "KV cache of %s: %.2f GB, %d slots of %d tokens",
+                r.model.name_or_path,
+                r.kv_plan.total_bytes / 1e9,
+                r.max_num_seqs,
+                r.max_model_len,
+            )
     return runner
 
 
@@ -91,13 +101,6 @@ def worker_info(runner: ModelRunner) -> dict[str, Any]:
         "device": str(runner.device),
         "kv_cache": runner.kv_plan.as_dict(),
     }
-
-
-def _push_item(seq_id: Hashable, guess: tuple, drafts: Drafts) -> tuple:
-    # Tokens, not vocabularies: a greedy row sends its ids; a sampled row its q in 16 bits,
-    # over its support when top-k/top-p truncated it (specdec.qcodec.CompactQ).
-    q = None if drafts.probs is None else CompactQ.encode(drafts.probs)
-    return (seq_id, tuple(guess), drafts.tokens, q, drafts.speculative)
 
 
 class DraftWorker:
@@ -130,6 +133,7 @@ class DraftWorker:
             DraftModelProposer(self.runner, min_confidence),
             main_slots=min(max_num_seqs, self.runner.max_num_seqs),
         )
+        self.rounds = DraftRounds(self.drafter)  # messages applied as a colocated draft does
         self.overlap = overlap and width > 0
         self.width = SpeculationWidth(width, adaptive=adaptive)
         self._cv = threading.Condition()
@@ -144,7 +148,6 @@ class DraftWorker:
         self._busy_since: float | None = None  # monotonic start of the message in hand
         self._waiting_since = time.monotonic()  # the loop's last return to its queue
         self.speculated = 0  # branches prepared
-        self.failed_sequences = 0  # sequences given up on (decoded target-only since)
         self._speculated = False  # the last message's speculation ran (its hits count)
         self.error: str | None = None
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
@@ -210,7 +213,7 @@ class DraftWorker:
             "goodput": self.width.goodput(),
             "acceptance": self.drafter.acceptance,
             "error": self.error,
-            "failed_sequences": self.failed_sequences,
+            "failed_sequences": self.rounds.failed_sequences,
             "kv_cache": self.runner.kv_usage(),
         }
 
@@ -269,36 +272,6 @@ class DraftWorker:
                 self._cv.notify_all()
             self._stop_event.set()
 
-    def _give_up(self, sid: Hashable, exc: BaseException) -> tuple:
-        """Drafting ``sid`` failed: free it and tell the core to decode it target-only
-        (a draft-side fault of one request must not end the loop that serves all)."""
-        logger.warning("drafting %r failed (%r); it continues target-only", sid, exc)
-        self.failed_sequences += 1
-        with contextlib.suppress(Exception):
-            self.drafter.free(sid)
-        return (sid, GIVE_UP, None, None, False)
-
-    def _propose_isolated(self, ids: list, ks: list[int], lost: list) -> list[tuple]:
-        """``drafter.propose`` for the batch; if it fails, each sequence alone, rebuilt from
-        its committed tokens (the failed pass may have left its KV half-written)."""
-        if not ids:
-            return []
-        try:
-            return list(zip(ids, self.drafter.propose(ids, ks), strict=True))
-        except Exception:
-            logger.exception("batched drafting failed; retrying each sequence alone")
-        done = []
-        for sid, k in zip(ids, ks, strict=True):
-            try:
-                seq = self.drafter.seqs[sid]
-                tokens, params = list(seq.token_ids), seq.params
-                self.drafter.free(sid)
-                self.drafter.add(sid, tokens, params)
-                done.append((sid, self.drafter.propose([sid], [k])[0]))
-            except Exception as exc:
-                lost.append(self._give_up(sid, exc))
-        return done
-
     def _send(self, core, msg_no: int, round_for: int, items: list[tuple]) -> None:
         """Drafts for ``round_for`` to the core: the reply of a compiled-graph step, or a push."""
         if self._reply_in_step:
@@ -313,34 +286,11 @@ class DraftWorker:
         if round_s is not None:
             self.width.observe_round(tokens, round_s)
         drafter = self.drafter
-        if first:
-            for sid in list(drafter.seqs):
-                drafter.free(sid)
-        for sid in freed:
-            drafter.free(sid)
-        ids, ks, guesses, lost = [], [], {}, []
-        for sid, base_len, new_tokens, k, full, params in items:
-            try:
-                if full is not None:
-                    if sid not in drafter.seqs and not drafter.has_room():
-                        raise RuntimeError("the draft's KV budget has no slot for it")
-                    drafter.add(sid, full, SamplingParams(**params))
-                elif drafter.length(sid) != base_len:
-                    lost.append((sid, None, None, None, False))
-                    continue
-                else:
-                    drafter.commit(sid, new_tokens)
-            except Exception as exc:  # this sequence alone: it goes on target-only
-                lost.append(self._give_up(sid, exc))
-                continue
-            if k > 0:
-                ids.append(sid)
-                ks.append(k)
-                guesses[sid] = tuple(new_tokens)
-        proposed = self._propose_isolated(ids, ks, lost)
+        ids, ks, guesses, lost = self.rounds.apply(first, items, freed)
+        proposed = self.rounds.propose(ids, ks, lost)
         # A pushed branch (actor transport) is at the core already; a reply carries all.
         pushes = [
-            _push_item(sid, guesses[sid], d)
+            push_item(sid, guesses[sid], d)
             for sid, d in proposed
             if self._reply_in_step or not d.speculative
         ]
@@ -369,5 +319,5 @@ class DraftWorker:
             self.speculated += len(branches)
             if not self._reply_in_step:  # else they wait here for the next message
                 core.push_drafts.remote(
-                    round_for + 1, [_push_item(br.seq_id, br.guess, br.drafts) for br in branches]
+                    round_for + 1, [push_item(br.seq_id, br.guess, br.drafts) for br in branches]
                 )

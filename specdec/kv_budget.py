@@ -33,10 +33,17 @@ class KVPlan:
     num_slots: int
     wanted_slots: int  # what the worker could use (max_num_seqs, plus branches)
     budget_bytes: int | None  # the configured budget; None: sized to wanted_slots
+    # What each slot also costs another model drawing on the same budget (a colocated
+    # draft keeps one slot per target slot); not part of this plan's allocation.
+    shared_bytes_per_slot: int = 0
 
     @property
     def bytes_per_slot(self) -> int:
         return self.bytes_per_token * self.max_model_len
+
+    def sharing(self, bytes_per_token: int, max_model_len: int) -> KVPlan:
+        """The plan of the model that shares this budget: as many slots, its own size."""
+        return KVPlan(bytes_per_token, max_model_len, self.num_slots, self.num_slots, None)
 
     @property
     def total_bytes(self) -> int:
@@ -73,19 +80,24 @@ def plan_slots(
     wanted_slots: int,
     budget: int | None,
     free_bytes: int | None,
+    shared_bytes_per_slot: int = 0,
 ) -> KVPlan:
     """The slot count for a budget; raises :class:`KVBudgetError` with the arithmetic
-    when not one sequence of ``max_model_len`` fits, or when the memory is not there."""
+    when not one sequence of ``max_model_len`` fits, or when the memory is not there.
+
+    ``shared_bytes_per_slot``: what another model's slot costs out of the same budget
+    (a draft in the target's process has one slot per target slot)."""
     if bytes_per_token <= 0 or max_model_len <= 0 or wanted_slots <= 0:
         raise ValueError("bytes_per_token, max_model_len and wanted_slots must be positive")
-    per_slot = bytes_per_token * max_model_len
+    per_slot = bytes_per_token * max_model_len + shared_bytes_per_slot
     if budget is None:
         num = wanted_slots
         need = num * per_slot
         if free_bytes is not None and need > free_bytes:
             raise KVBudgetError(
                 f"the KV cache for {num} sequences of max_model_len={max_model_len} needs "
-                f"{_gib(need)} ({_gib(per_slot)} each), but the device has {_gib(free_bytes)} "
+                f"{_gib(need)} ({_gib(per_slot)} each{_shared(shared_bytes_per_slot)}), but the "
+                f"device has {_gib(free_bytes)} "
                 "free: set kv_cache_memory_fraction (or kv_cache_memory_bytes) so that fewer "
                 "run at once, or lower max_num_seqs or max_model_len"
             )
@@ -95,14 +107,15 @@ def plan_slots(
             raise KVBudgetError(
                 f"a KV cache budget of {_gib(budget)} holds no sequence of "
                 f"max_model_len={max_model_len}: each needs {_gib(per_slot)} "
-                f"({bytes_per_token} bytes per token); raise the budget or lower max_model_len"
+                f"({bytes_per_token} bytes per token{_shared(shared_bytes_per_slot)}); raise "
+                "the budget or lower max_model_len"
             )
         if free_bytes is not None and num * per_slot > free_bytes:
             raise KVBudgetError(
                 f"kv_cache_memory_bytes={budget} asks for {_gib(num * per_slot)} of KV cache, "
                 f"but the device has {_gib(free_bytes)} free"
             )
-    return KVPlan(bytes_per_token, max_model_len, num, wanted_slots, budget)
+    return KVPlan(bytes_per_token, max_model_len, num, wanted_slots, budget, shared_bytes_per_slot)
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -119,6 +132,10 @@ def device_free_bytes(device: torch.device) -> int | None:
         except OSError:
             return None
     return None
+
+
+def _shared(n: int) -> str:
+    return f", {_gib(n)} of it the colocated draft's" if n else ""
 
 
 def _gib(n: int) -> str:

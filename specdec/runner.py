@@ -44,6 +44,8 @@ class ModelRunner:
     tokens, or fewer when the budget (``kv_cache_memory_bytes``, or
     ``kv_cache_memory_fraction`` of the device's free memory after the weights) holds
     fewer; :attr:`max_num_seqs` is then the slot count, and :attr:`kv_plan` says why.
+    A draft in the same process shares the budget: built with ``defer_kv``, it gets as
+    many slots as the target built with ``kv_shared_with=draft``.
     """
 
     def __init__(
@@ -58,6 +60,8 @@ class ModelRunner:
         prefill_chunk_size: int = 2048,
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,
+        defer_kv: bool = False,
+        kv_shared_with: ModelRunner | None = None,
     ):
         check_transformers_version()
         if dtype not in _DTYPES:
@@ -86,16 +90,33 @@ class ModelRunner:
         # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self.kv_plan = self._allocate_kv(
-            max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction
-        )
-        self.max_num_seqs = self.kv_plan.num_slots
+        self.kv_bytes_per_token = self._probe_kv()
+        self.kv_plan: KVPlan | None = None
+        self.max_num_seqs = 0
+        if not defer_kv:
+            free = device_free_bytes(self.device)
+            shared = kv_shared_with.kv_bytes_per_slot if kv_shared_with is not None else 0
+            plan = plan_slots(
+                self.kv_bytes_per_token,
+                self.max_model_len,
+                max_num_seqs,
+                budget_bytes(kv_cache_memory_bytes, kv_cache_memory_fraction, free),
+                free,
+                shared_bytes_per_slot=shared,
+            )
+            self.allocate_kv(plan)
+            if kv_shared_with is not None:  # one budget: the same number of slots
+                kv_shared_with.allocate_kv(
+                    plan.sharing(kv_shared_with.kv_bytes_per_token, kv_shared_with.max_model_len)
+                )
 
-    def _allocate_kv(
-        self, wanted: int, memory_bytes: int | None, memory_fraction: float | None
-    ) -> KVPlan:
-        """Learn the cache's per-token size from one probe token (heads, head_dim and
-        dtype per layer, whatever the family calls them), then allocate it for good."""
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        return self.kv_bytes_per_token * self.max_model_len
+
+    def _probe_kv(self) -> int:
+        """The cache's bytes per token, learnt from one probe token (heads, head_dim and
+        dtype per layer, whatever the family calls them); nothing is allocated for good."""
         self.cache = SlotKVCache(self.attention.num_layers, num_slots=1, capacity=2)
         self.slots = SlotTable(1)
         self.add("kv-probe")
@@ -103,26 +124,25 @@ class ModelRunner:
             self.forward_padded(["kv-probe"], [[0]], last_only=True)
         finally:
             self.free("kv-probe")
-        free = device_free_bytes(self.device)
-        plan = plan_slots(
-            self.cache.bytes_per_token(),
-            self.max_model_len,
-            wanted,
-            budget_bytes(memory_bytes, memory_fraction, free),
-            free,
-        )
+        self.slots = SlotTable(0)
+        return self.cache.bytes_per_token()
+
+    def allocate_kv(self, plan: KVPlan) -> None:
+        """Allocate the cache for good (once): ``plan.num_slots`` slots of max_model_len."""
+        if self.kv_plan is not None:
+            raise RuntimeError("the KV cache is allocated once")
         self.cache.allocate(plan.num_slots, self.max_model_len + 1)  # + the scratch column
         self.slots = SlotTable(plan.num_slots)
-        if plan.num_slots < wanted:
+        self.kv_plan, self.max_num_seqs = plan, plan.num_slots
+        if plan.num_slots < plan.wanted_slots:
             logger.warning(
                 "KV cache: the budget holds %d of the %d sequences wanted at max_model_len=%d "
                 "(%d bytes per token); the rest wait for a free slot",
                 plan.num_slots,
-                wanted,
+                plan.wanted_slots,
                 self.max_model_len,
                 plan.bytes_per_token,
             )
-        return plan
 
     # ----- sequence bookkeeping -------------------------------------------------------
 

@@ -36,8 +36,9 @@ def reference(tiny_target):
     return {tuple(p): generate_autoregressive(runner, p, GREEDY).token_ids for p in PROMPTS}
 
 
-def config(target, draft, **kw):
-    """``target``/``draft``: a model path, or a whole ModelSpec dict."""
+def config(target, draft, shape="actor", **kw):
+    """``target``/``draft``: a model path, or a whole ModelSpec dict; ``shape``: the
+    draft's placement (``colocated``: in the core's process, so sequential mode)."""
     base = {
         "target": target if isinstance(target, dict) else {"model": target},
         "draft": draft if isinstance(draft, dict) else {"model": draft},
@@ -49,6 +50,9 @@ def config(target, draft, **kw):
     base.update(kw)
     # These tests are about the pipeline at a known k; the length policy has its own.
     base["speculation"] = {"policy": "fixed", **base.get("speculation", {})}
+    if shape == "colocated":
+        base["draft_placement"] = "colocated"
+        base["speculation"]["mode"] = "sequential"
     return EngineConfig.model_validate(base)
 
 
@@ -113,7 +117,7 @@ def seeded_reference(tiny_target, tiny_draft):
     ]
 
 
-@pytest.mark.parametrize("mode", ["sequential", "overlap"])
+@pytest.mark.parametrize("mode", ["sequential", "overlap", "colocated"])
 def test_seeded_sampling_is_reproducible_whatever_the_cache_did(
     ray_local, tiny_target, tiny_draft, seeded_reference, mode
 ):
@@ -123,8 +127,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_cache_did(
     verified beside it (no batch invariance, as in vLLM), and with these sharp tiny models
     that flips a sampled token in about half the runs when 4 sequences share a batch.
     """
+    shape = "colocated" if mode == "colocated" else "actor"
     spec = {"mode": mode, "num_speculative_tokens": 3, "adaptive_overlap": False}
-    cfg = config(tiny_target, tiny_draft, speculation=spec, scheduler={"max_num_seqs": 1})
+    cfg = config(tiny_target, tiny_draft, shape, speculation=spec, scheduler={"max_num_seqs": 1})
 
     async def body(engine):
         return await asyncio.gather(*[collect(engine, p, seeded(i)) for i, p in enumerate(PROMPTS)])
@@ -140,7 +145,8 @@ def test_seeded_sampling_is_reproducible_whatever_the_cache_did(
 
 
 @pytest.mark.parametrize(
-    ("mode", "confidence"), [("sequential", 0), ("overlap", 0), ("overlap", 0.1)]
+    ("mode", "confidence"),
+    [("sequential", 0), ("overlap", 0), ("overlap", 0.1), ("colocated", 0), ("colocated", 0.1)],
 )
 def test_greedy_through_engine_equals_target_only(
     ray_local, tiny_target, tiny_draft, reference, mode, confidence
@@ -152,7 +158,8 @@ def test_greedy_through_engine_equals_target_only(
         "adaptive_overlap": False,
         "draft_confidence_threshold": confidence,
     }
-    cfg = config(tiny_target, tiny_draft, speculation=spec)
+    shape = "colocated" if mode == "colocated" else "actor"
+    cfg = config(tiny_target, tiny_draft, shape, speculation=spec)
 
     async def body(engine):
         # 8 requests, at most 4 running at once: the rest join between rounds.
@@ -357,11 +364,14 @@ def test_draft_killed_mid_generation_requests_complete_unchanged(
     assert_nothing_held(held)
 
 
-@pytest.mark.parametrize("transport", ["actor", "compiled_graph"])
+@pytest.mark.parametrize("transport", ["actor", "compiled_graph", "colocated"])
 def test_target_killed_mid_generation_requests_resume(
     ray_local, tiny_target, tiny_draft, reference, transport
 ):
-    cfg = config(tiny_target, tiny_draft, transport=transport)
+    if transport == "colocated":  # the draft dies with the target and comes back with it
+        cfg = config(tiny_target, tiny_draft, "colocated")
+    else:
+        cfg = config(tiny_target, tiny_draft, transport=transport)
     prompts = PROMPTS[:4]
 
     async def body(engine):
@@ -454,14 +464,15 @@ def test_speculation_after_target_only_requests(ray_local, tiny_target, tiny_dra
     assert last.stats.drafted > 0 and timings["draft_timeouts"] == 0
 
 
+@pytest.mark.parametrize("shape", ["actor", "colocated"])
 def test_a_failing_request_fails_alone_and_leaks_nothing(
-    ray_local, tiny_target, tiny_draft, reference
+    ray_local, tiny_target, tiny_draft, reference, shape
 ):
     """Requests that make the target fail (sent straight to the engine core, past the
     frontend's checks): an out-of-vocabulary token at prefill, and a sequence that runs
     past the context in the middle of a round. Each fails alone; the requests beside them
     finish unchanged; afterwards no worker holds a sequence that no request owns."""
-    cfg = config(tiny_target, tiny_draft, speculation={"mode": "overlap"})
+    cfg = config(tiny_target, tiny_draft, shape, speculation={"mode": "overlap"})
     greedy = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
 
     async def body(engine):
@@ -529,8 +540,9 @@ def _copy_model(src, dst, edit) -> str:
 POISON = 77  # a token id whose embedding row is NaN in the draft below
 
 
+@pytest.mark.parametrize("shape", ["actor", "colocated"])
 def test_a_request_the_draft_fails_on_goes_target_only_alone(
-    ray_local, tiny_target, tiny_draft, reference, tmp_path
+    ray_local, tiny_target, tiny_draft, reference, tmp_path, shape
 ):
     """A draft that breaks on one input (NaN embedding for one token: sampled drafting
     raises there) gives up on that sequence alone: it finishes target-only with exactly
@@ -541,7 +553,7 @@ def test_a_request_the_draft_fails_on_goes_target_only_alone(
         tmp_path / "poisoned",
         lambda m: m.model.embed_tokens.weight[POISON].fill_(float("nan")),
     )
-    cfg = config(tiny_target, poisoned, speculation={"mode": "overlap"})
+    cfg = config(tiny_target, poisoned, shape, speculation={"mode": "overlap"})
     bad_prompt, bad_params = [5, POISON, 9], seeded(0)
     expected_bad = generate_autoregressive(
         ModelRunner(tiny_target), bad_prompt, bad_params
@@ -552,7 +564,11 @@ def test_a_request_the_draft_fails_on_goes_target_only_alone(
         normal = [asyncio.ensure_future(collect(engine, p, GREEDY)) for p in PROMPTS[:4]]
         bad = await collect(engine, bad_prompt, bad_params)
         results = await asyncio.gather(*normal)
-        stats = await engine.draft.stats.remote()
+        if shape == "colocated":
+            core = await engine.target.health.remote()
+            stats = {"failed_sequences": core["draft_failed_sequences"], "error": core["error"]}
+        else:
+            stats = await engine.draft.stats.remote()
         timings = await engine.round_timings()
         return results, bad, stats, engine.draft is draft, await held_after(engine), timings
 
@@ -861,3 +877,50 @@ def test_requests_wait_for_kv_slots_and_the_draft_shares_its_budget(
     assert health["kv_cache"]["num_slots"] == 2
     assert stats["kv_cache"]["num_slots"] == 3 and stats["failed_sequences"] == 0
     assert_nothing_held(held)
+
+
+def test_a_colocated_draft_shares_the_targets_kv_budget_and_device(
+    ray_local, tiny_target, tiny_draft, reference, seeded_reference
+):
+    """The draft in the core's process: one KV budget for both models (2 slots each from a
+    budget that holds 2 of both, under max_num_seqs=4, so requests wait for slots), every
+    tensor on the models' device with torch's default device set to ``meta``, and greedy,
+    sampled, top-k/top-p and seeded rows exact with drafts accepted; nothing left behind."""
+    per_slot = sum(
+        ModelRunner(path, max_num_seqs=1).kv_plan.bytes_per_slot
+        for path in (tiny_target, tiny_draft)
+    )
+    meta = {"default_device": "meta"}
+    target = {"model": tiny_target, "kv_cache_memory_bytes": 2 * per_slot + 1, **meta}
+    spec = {"num_speculative_tokens": 3, "draft_confidence_threshold": 0.1}
+    cfg = config(target, {"model": tiny_draft, **meta}, "colocated", speculation=spec)
+    top = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+
+    async def body(engine):
+        greedy = [collect(engine, p, GREEDY) for p in PROMPTS]
+        others = [collect(engine, PROMPTS[0], top), collect(engine, PROMPTS[1], sampled)]
+        results = await asyncio.gather(*greedy, *others)
+        core = await engine.target.health.remote()
+        return results, core, engine.health(), await held_after(engine)
+
+    results, core, health, held = asyncio.run(with_engine(cfg, body))
+    for prompt, (tokens, last) in zip(PROMPTS, results, strict=False):
+        assert tokens == reference[tuple(prompt)] and last.stats.cache_hits == 0
+    assert all(len(tokens) == 24 and last.stats.drafted > 0 for tokens, last in results)
+    assert core["kv_cache"]["num_slots"] == 2 and core["draft_kv_cache"]["num_slots"] == 2
+    assert health["status"] == "ok" and health["draft"]
+    assert_nothing_held(held)
+    # Seeded rows, one at a time (see the seeded test): the one-process tokens.
+    one = config(
+        {"model": tiny_target, **meta},
+        {"model": tiny_draft, **meta},
+        "colocated",
+        speculation={"num_speculative_tokens": 3},
+        scheduler={"max_num_seqs": 1},
+    )
+
+    async def seeded_body(engine):
+        return await asyncio.gather(*[collect(engine, p, seeded(i)) for i, p in enumerate(PROMPTS)])
+
+    assert [t for t, _ in asyncio.run(with_engine(one, seeded_body))] == seeded_reference

@@ -162,11 +162,14 @@ async def _collect(engine: SpecEngine, job: Job) -> Sample:
     return sample
 
 
-@pytest.fixture(scope="module")
-def engine_run(ray_local, tiny_target, tiny_draft):
-    """The whole workload through one overlap-mode engine; (samples, seconds, draft stats)."""
+@pytest.fixture(scope="module", params=["actor", "colocated"])
+def engine_run(request, ray_local, tiny_target, tiny_draft):
+    """The whole workload through one engine in each shape: an overlap-mode draft actor,
+    and a draft in the core's process (sequential); (samples, seconds, draft stats)."""
+    colocated = request.param == "colocated"
     cfg = EngineConfig.model_validate(
         {
+            "draft_placement": request.param,
             "target": {"model": tiny_target},
             "draft": {"model": tiny_draft},
             "scheduler": {"max_num_seqs": 16, "max_waiting": 10_000},
@@ -174,7 +177,7 @@ def engine_run(ray_local, tiny_target, tiny_draft):
             "draft_resources": {"num_cpus": 1},
             "faults": {"restart_timeout_s": 60},
             "speculation": {
-                "mode": "overlap",
+                "mode": "sequential" if colocated else "overlap",
                 "policy": "goodput",  # for the "auto" rows; every other row sets its k
                 "num_speculative_tokens": K,
                 "speculation_width": 4,
@@ -191,7 +194,10 @@ def engine_run(ray_local, tiny_target, tiny_draft):
         try:
             t0 = time.monotonic()
             samples = await asyncio.gather(*[_collect(engine, j) for j in jobs])
-            return samples, time.monotonic() - t0, await engine.draft.stats.remote()
+            seconds = time.monotonic() - t0
+            if colocated:
+                return samples, seconds, {"shape": "colocated"}
+            return samples, seconds, {"shape": "actor", **await engine.draft.stats.remote()}
         finally:
             await engine.shutdown()
 
@@ -524,7 +530,10 @@ def test_rounds_cover_every_draft_position_and_the_bonus(engine_run):
     assert any(c == K for c, _ in outcomes["ragged"])
     # The policy's rows drafted (its measurement rounds alone run k = 1 and k = 4).
     assert sum(n for (c, _), n in outcomes["auto"].items() if c > 0) > 0
-    assert hits > 0, "no round was served from the speculation cache"
+    if draft_stats["shape"] == "actor":  # a colocated draft takes turns: nothing ahead
+        assert hits > 0, "no round was served from the speculation cache"
+    else:
+        assert hits == 0
     # The confidence rule shortened some k = 4 rounds before max_tokens did.
     assert any(
         c < K and start + c + 1 < L
@@ -535,16 +544,22 @@ def test_rounds_cover_every_draft_position_and_the_bonus(engine_run):
     )
 
 
-@pytest.mark.parametrize("sampler", ["engine", *TWINS])
 @pytest.mark.parametrize("group", list(SIZES))
-def test_joint_law_through_the_engine(group, sampler, engine_run, twin_runs, laws, record_property):
-    """Whole sequences, pairs and verification steps against the exact target law.
+def test_joint_law_through_the_engine(group, engine_run, laws, record_property):
+    """Whole sequences, pairs and verification steps against the exact target law: the
+    samples the engine served (in each shape) must pass."""
+    _check_law(group, "engine", engine_run[0], laws, record_property)
 
-    ``engine``: the samples served by the engine must pass; a twin: the same requests
-    decoded in one process with a wrong sampler, same size, same statistic, same ALPHA,
-    must be rejected.
-    """
-    samples = engine_run[0] if sampler == "engine" else twin_runs[sampler]
+
+@pytest.mark.parametrize("sampler", list(TWINS))
+@pytest.mark.parametrize("group", list(SIZES))
+def test_wrong_twins_are_rejected(group, sampler, twin_runs, laws, record_property):
+    """The power of the test above: the same requests decoded in one process with a wrong
+    sampler, same size, same statistic, same ALPHA, must be rejected."""
+    _check_law(group, sampler, twin_runs[sampler], laws, record_property)
+
+
+def _check_law(group, sampler, samples, laws, record_property) -> None:
     pvalues = family_pvalues(samples, group, laws)
     for key, value in pvalues.items():
         record_property(key if key in COUNTS else f"p_{key}", value)

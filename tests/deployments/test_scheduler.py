@@ -5,7 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from deployments.draft_link import GIVE_UP, DraftLink
+from deployments.draft_link import DraftLink
+from deployments.drafting import GIVE_UP
 from deployments.scheduler import PAUSE_AFTER_ROUNDS, RunningSeq, Scheduler
 from specdec.policy import SpeculationLength
 from specdec.sampling import SamplingParams

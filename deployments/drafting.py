@@ -1,0 +1,106 @@
+"""What a draft does with the core's round messages, wherever the draft runs.
+
+The draft actor (:class:`deployments.workers.DraftWorker`) and a draft colocated in the
+core's process apply the same message items to a
+:class:`~specdec.speculation_cache.SpeculativeDrafter` and draft the same way, so they
+propose the same tokens (seeded rows draw the same numbers) and fail the same way: a
+sequence the draft fails on alone is given up (decoded target-only), never the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Hashable
+
+from specdec.qcodec import CompactQ
+from specdec.sampling import SamplingParams
+from specdec.speculation_cache import Drafts, SpeculativeDrafter
+
+logger = logging.getLogger("specserve.drafting")
+
+# In place of a guess in a pushed draft item: the draft gave up on this sequence (it failed
+# there alone); the core decodes it target-only from then on.
+GIVE_UP = "give_up"
+
+
+def push_item(seq_id: Hashable, guess: tuple, drafts: Drafts) -> tuple:
+    """A draft item for the core: ``(seq_id, guess, tokens, q, speculative)``.
+
+    Tokens, not vocabularies: a greedy row carries its ids; a sampled row its q in 16 bits,
+    over its support when top-k/top-p truncated it (:class:`specdec.qcodec.CompactQ`)."""
+    q = None if drafts.probs is None else CompactQ.encode(drafts.probs)
+    return (seq_id, tuple(guess), drafts.tokens, q, drafts.speculative)
+
+
+class DraftRounds:
+    """Applies round messages to a drafter and drafts the rows that want drafts."""
+
+    def __init__(self, drafter: SpeculativeDrafter):
+        self.drafter = drafter
+        self.failed_sequences = 0  # given up on (decoded target-only since)
+
+    def apply(
+        self, first: bool, items: list[tuple], freed: list[Hashable]
+    ) -> tuple[list[Hashable], list[int], dict[Hashable, tuple], list[tuple]]:
+        """Take a message's frees and items (see :mod:`deployments.core` for the format).
+
+        Returns the rows to draft, their k, the guess each drafts for (what the round
+        committed), and items for rows the draft lost track of or gave up on."""
+        drafter = self.drafter
+        if first:  # a new core (or this draft is new to it): nothing held is valid
+            for sid in list(drafter.seqs):
+                drafter.free(sid)
+        for sid in freed:
+            drafter.free(sid)
+        ids, ks, guesses, lost = [], [], {}, []
+        for sid, base_len, new_tokens, k, full, params in items:
+            try:
+                if full is not None:
+                    if sid not in drafter.seqs and not drafter.has_room():
+                        raise RuntimeError("the draft's KV budget has no slot for it")
+                    drafter.add(sid, full, SamplingParams(**params))
+                elif drafter.length(sid) != base_len:
+                    lost.append((sid, None, None, None, False))
+                    continue
+                else:
+                    drafter.commit(sid, new_tokens)
+            except Exception as exc:  # this sequence alone: it goes on target-only
+                lost.append(self.give_up(sid, exc))
+                continue
+            if k > 0:
+                ids.append(sid)
+                ks.append(k)
+                guesses[sid] = tuple(new_tokens)
+        return ids, ks, guesses, lost
+
+    def propose(self, ids: list, ks: list[int], lost: list) -> list[tuple[Hashable, Drafts]]:
+        """``drafter.propose`` for the batch; if it fails, each sequence alone, rebuilt from
+        its committed tokens (the failed pass may have left its KV half-written). Rows
+        that fail alone are given up (their items appended to ``lost``)."""
+        if not ids:
+            return []
+        try:
+            return list(zip(ids, self.drafter.propose(ids, ks), strict=True))
+        except Exception:
+            logger.exception("batched drafting failed; retrying each sequence alone")
+        done = []
+        for sid, k in zip(ids, ks, strict=True):
+            try:
+                seq = self.drafter.seqs[sid]
+                tokens, params = list(seq.token_ids), seq.params
+                self.drafter.free(sid)
+                self.drafter.add(sid, tokens, params)
+                done.append((sid, self.drafter.propose([sid], [k])[0]))
+            except Exception as exc:
+                lost.append(self.give_up(sid, exc))
+        return done
+
+    def give_up(self, sid: Hashable, exc: BaseException) -> tuple:
+        """Drafting ``sid`` failed: free it and tell the core to decode it target-only
+        (a draft-side fault of one request must not end the loop that serves all)."""
+        logger.warning("drafting %r failed (%r); it continues target-only", sid, exc)
+        self.failed_sequences += 1
+        with contextlib.suppress(Exception):
+            self.drafter.free(sid)
+        return (sid, GIVE_UP, None, None, False)
