@@ -9,7 +9,9 @@ by prompt (the order of systems rotates from one prompt to the next), it measure
 completion tokens per second of:
 
 * SpecServe over HTTP (the demo app from ``cluster/serve/demo.yaml``, one replica, Serve's
-  proxy on loopback), speculation on and off through the per-request switch;
+  proxy on loopback), speculation on and off through the per-request switch, and the same
+  pair colocated (``cluster/serve/demo-colocated.yaml``: the draft in the target's
+  process) on and off;
 * transformers ``generate(target)`` and ``generate(target, assistant_model=draft)`` in this
   process, with 1 and 2 torch threads.
 
@@ -49,22 +51,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SHAPES = {"": "demo.yaml", "/colocated": "demo-colocated.yaml"}  # route prefix -> config
+
+
 def start_specserve(max_tokens: int) -> str:
-    """The demo app, as ``serve deploy cluster/serve/demo.yaml`` would run it, on one replica."""
-    config = yaml.safe_load((ROOT / "cluster" / "serve" / "demo.yaml").read_text())
-    args = config["applications"][0]["args"]
-    args.pop("autoscaling_config", None)
-    args["num_replicas"] = 1
-    args["default_max_tokens"] = max_tokens
+    """The demo app in both shapes, as ``serve deploy`` would run their configs, one replica
+    each: ``cluster/serve/demo.yaml`` at ``/``, ``demo-colocated.yaml`` at ``/colocated``."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="peers", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while httpx.get(f"{url}/health").status_code != 200:
-        if time.monotonic() > deadline:
-            raise RuntimeError("SpecServe did not become healthy")
-        time.sleep(0.5)
+    for prefix, name in SHAPES.items():
+        config = yaml.safe_load((ROOT / "cluster" / "serve" / name).read_text())
+        args = config["applications"][0]["args"]
+        args.pop("autoscaling_config", None)
+        args["num_replicas"] = 1
+        args["default_max_tokens"] = max_tokens
+        args["monitoring"]["prometheus_port"] = free_port()
+        app = f"peers{prefix.replace('/', '-')}"
+        serve.run(build_app(args), name=app, route_prefix=prefix or "/")
+        deadline = time.monotonic() + 300
+        while httpx.get(f"{url}{prefix}/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SpecServe ({name}) did not become healthy")
+            time.sleep(0.5)
     return url
 
 
@@ -81,7 +90,7 @@ class Systems:
         self.target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target", **kw).eval()
         self.draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft", **kw).eval()
 
-    def specserve(self, prompt: str, speculation: bool) -> tuple[str, int]:
+    def specserve(self, prompt: str, speculation: bool, prefix: str = "") -> tuple[str, int]:
         body = {
             "model": "demo-target",
             "prompt": prompt,
@@ -89,7 +98,7 @@ class Systems:
             "temperature": 0,
             "speculation": {"enabled": speculation},
         }
-        r = self.http.post("/v1/completions", json=body)
+        r = self.http.post(f"{prefix}/v1/completions", json=body)
         r.raise_for_status()
         data = r.json()
         return data["choices"][0]["text"], data["usage"]["completion_tokens"]
@@ -109,6 +118,8 @@ class Systems:
         return {
             "specserve_on": lambda p: self.specserve(p, True),
             "specserve_off": lambda p: self.specserve(p, False),
+            "colocated_on": lambda p: self.specserve(p, True, "/colocated"),
+            "colocated_off": lambda p: self.specserve(p, False, "/colocated"),
             "hf_plain_1t": lambda p: self.transformers(p, 1, False),
             "hf_assisted_1t": lambda p: self.transformers(p, 1, True),
             "hf_plain_2t": lambda p: self.transformers(p, 2, False),
@@ -156,6 +167,9 @@ def run(args) -> dict:
         "specserve_on_vs_hf_assisted_best": round(overall["specserve_on"] / best_assisted, 3),
         "specserve_off_vs_hf_plain_best": round(overall["specserve_off"] / best_plain, 3),
         "specserve_on_vs_hf_plain_best": round(overall["specserve_on"] / best_plain, 3),
+        "colocated_on_vs_hf_assisted_best": round(overall["colocated_on"] / best_assisted, 3),
+        "colocated_off_vs_hf_plain_best": round(overall["colocated_off"] / best_plain, 3),
+        "colocated_on_vs_specserve_on": round(overall["colocated_on"] / overall["specserve_on"], 3),
         "hf_assisted_vs_hf_plain_1t": round(overall["hf_assisted_1t"] / overall["hf_plain_1t"], 3),
         "per_domain_specserve_on_vs_hf_assisted_1t": {
             d: round(table[d]["specserve_on"] / table[d]["hf_assisted_1t"], 3) for d in DOMAINS
@@ -191,7 +205,8 @@ def plot(results: dict, path: Path) -> None:
         title=(
             f"batch 1, greedy: SpecServe on / HF assisted = "
             f"{r['specserve_on_vs_hf_assisted_best']}x; "
-            f"off / HF plain = {r['specserve_off_vs_hf_plain_best']}x"
+            f"off / HF plain = {r['specserve_off_vs_hf_plain_best']}x; colocated on / HF "
+            f"assisted = {r['colocated_on_vs_hf_assisted_best']}x"
         ),
         ylabel="tokens / s (median)",
     )
@@ -212,7 +227,7 @@ def main() -> None:
         args.url = start_specserve(args.max_tokens)
     args.dtype = served_dtype()
     settings = vars(args) | {
-        "serve_config": "cluster/serve/demo.yaml (1 replica)",
+        "serve_config": "cluster/serve/demo.yaml and demo-colocated.yaml (1 replica each)",
         "batch": 1,
         "greedy": True,
         "assisted_generation": "transformers defaults (num_assistant_tokens schedule)",

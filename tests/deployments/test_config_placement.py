@@ -182,3 +182,24 @@ def test_built_app_gives_the_replica_the_engine_resources():
         }
     )
     assert app._bound_deployment.ray_actor_options == {"num_cpus": 1, "num_gpus": 0}
+
+
+def test_a_colocated_draft_has_no_bundle_and_takes_turns():
+    c = cfg(draft_placement="colocated", draft_resources={"num_gpus": 1})
+    assert c.speculation.mode == "sequential"  # the overlap default does not apply
+    p = placement_for(c)
+    assert p.draft_bundle is None and len(p.bundles) == 2  # draft_resources unused
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"draft": None}, "needs a draft model"),
+        ({"speculation": {"mode": "overlap"}}, "speculation.mode 'overlap'"),
+        ({"transport": "compiled_graph"}, "transport"),
+        ({"placement_strategy": "STRICT_SPREAD"}, "STRICT_SPREAD"),
+    ],
+)
+def test_colocated_refusals_name_the_field(bad, field):
+    with pytest.raises(ValidationError, match=field):
+        cfg(draft_placement="colocated", **bad)
