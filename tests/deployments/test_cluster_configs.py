@@ -23,8 +23,12 @@ def test_serve_config_args_validate(name, config):
     (app,) = config["applications"]
     assert app["import_path"] == "deployments.app:build_app"
     cfg = AppConfig.model_validate(app["args"])
+    assert cfg.engine.draft is not None, f"{name} should configure a draft"
     placement = placement_for(cfg.engine)
-    assert placement.draft_bundle is not None, f"{name} should configure a draft"
+    if cfg.engine.draft_placement == "colocated":  # the draft runs in the target's bundle
+        assert placement.draft_bundle is None and len(placement.bundles) == 2, name
+    else:
+        assert placement.draft_bundle is not None, f"{name} should place a draft actor"
 
 
 def test_kuberay_spreads_draft_and_target():
