@@ -18,20 +18,26 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.config import EngineConfig, WorkerResources
-from deployments.core import EngineCore, RoundTimings
+from deployments.config import EngineConfig
+from deployments.core import RoundTimings
 from deployments.detokenizer import IncrementalDetokenizer
-from deployments.placement import placement_for
-from deployments.workers import DraftWorker
-from monitoring.metrics import RequestRecord, RoundBatch, RoundRecord
+from deployments.request_state import (
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestOutput,
+    RequestState,
+    RequestStats,
+    detokenize_until_stop,
+)
+from deployments.telemetry_link import TelemetryLink, TelemetrySink
+from deployments.worker_launch import WorkerLauncher, startup_cause
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger("specserve.engine")
@@ -48,91 +54,6 @@ __all__ = [
 
 POLL_TIMEOUT_S = 1.0
 HEALTH_EVERY_S = 1.0  # how stale /health's running, waiting and KV figures may be under load
-LOAD_LOG_PERIOD_S = 30.0  # how often a slow model load is reported in the logs
-MAX_PENDING_RECORDS = 10_000
-CANCELLED = (
-    "GeneratorExit",
-    "CancelledError",
-)  # the client went away  # finished-request records kept while the monitor is away
-
-# (round batch, finished requests, drift cursor) -> ([(domain, current alpha)], new cursor)
-TelemetrySink = Callable[
-    [RoundBatch, list[RequestRecord], int], Awaitable[tuple[list[tuple[str, float]], int]]
-]
-
-
-class EngineError(RuntimeError):
-    """A request could not be completed; the message says why."""
-
-
-class EngineOverloadedError(EngineError):
-    """Too many requests are waiting; retry later (HTTP 503)."""
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses (HTTP 400); ``param`` names the offending input."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class RequestStats:
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0  # verification rounds that carried drafts
-    cache_hits: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
-
-@dataclass
-class RequestOutput:
-    """A streamed piece of a request's output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    stats: RequestStats
-    text: str | None = None  # the new text the client receives (None without a tokenizer)
-    # per new token: (logprob, [(token_id, logprob), ...]) when the request asked for them
-    logprobs: list[tuple] | None = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    k: int  # the request's draft length, or the policy's cap when ``auto``
-    queue: asyncio.Queue
-    detok: IncrementalDetokenizer | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    domain: str = "default"
-    auto: bool = False  # the length policy chooses k per round
-
-    def core_item(self) -> tuple:
-        """What the core needs to start, or resume, this request."""
-        return (
-            self.request_id,
-            self.prompt_token_ids,
-            list(self.output_token_ids),
-            asdict(self.params),
-            self.k,
-            self.domain,
-            self.auto,
-        )
 
 
 class SpecEngine:
@@ -148,29 +69,34 @@ class SpecEngine:
         replica: str = "",
     ):
         self.config = config
+        self.launcher = WorkerLauncher(config, placement_group, tokenizer)
+        self.tokenizer = tokenizer  # for text and stop strings (None: token ids only)
         # Round and request records go to ``telemetry`` (the monitor) every
         # ``flush_interval_s``, from a task of their own: never from the round's path.
-        self.telemetry, self.flush_interval_s, self.replica = telemetry, flush_interval_s, replica
-        self._request_records: list[RequestRecord] = []
-        # Drift alerts seen so far: (monitor epoch, count); None until the monitor answers.
-        self._drift_cursor: tuple[str, int] | None = None
-        self.placement = placement_for(config)
-        self.pg = placement_group
-        self.tokenizer = tokenizer  # for text and stop strings (None: token ids only)
-        # The core adds the EOS ids of the model's generation_config to these.
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_ids = [eos] if isinstance(eos, int) else []
+        self.telemetry = (
+            None
+            if telemetry is None
+            else TelemetryLink(
+                telemetry,
+                model=config.model_name,
+                replica=replica,
+                current_core=lambda: self.target,
+                timeout_s=config.faults.call_timeout_s,
+                interval_s=flush_interval_s,
+            )
+        )
         self.target = None  # the EngineCore actor (target model + round loop)
         self.draft = None
         self.target_info: dict[str, Any] = {}
         self.draft_info: dict[str, Any] = {}
         self._target_restarts = 0
         self._draft_restarting: asyncio.Task | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self._fatal: str | None = None
         self._core_health: dict[str, Any] = {}  # the core's health(), refreshed by _poll
+        self._draft_kv: dict[str, Any] | None = None  # the draft actor's KV, refreshed with it
         self._core_health_at = float("-inf")
         self.aborted = 0  # requests whose client went away before they finished
         self.draft_restart_failures = 0
@@ -179,76 +105,15 @@ class SpecEngine:
 
     # ----- workers ----------------------------------------------------------------------
 
-    def _options(self, res: WorkerResources, bundle_index: int | None) -> dict[str, Any]:
-        opts: dict[str, Any] = {
-            "num_cpus": res.num_cpus,
-            "num_gpus": res.num_gpus,
-            "resources": dict(res.resources) or None,
-        }
-        if res.accelerator_type:
-            opts["accelerator_type"] = res.accelerator_type
-        if self.pg is not None and bundle_index is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=bundle_index
-            )
-        return opts
-
-    def _spawn_target(self):
-        cfg = self.config
-        draft_len = cfg.draft.max_model_len if cfg.draft is not None else None
-        return (
-            ray.remote(concurrency_groups=EngineCore.CONCURRENCY_GROUPS)(EngineCore)
-            .options(**self._options(cfg.target_resources, self.placement.target_bundle))
-            .remote(
-                cfg.target.model_dump(),
-                cfg.scheduler.max_num_seqs,
-                self.eos_token_ids,
-                cfg.faults.draft_timeout_s,
-                self.draft_info.get("max_model_len", draft_len),
-                cfg.transport,
-                self._length_policy(),
-                self.telemetry is not None,
-                self._colocated_draft(),
-            )
-        )
-
     @property
     def colocated(self) -> bool:
         """The draft runs in the core's process (config ``draft_placement``)."""
-        return self.config.draft is not None and self.config.draft_placement == "colocated"
+        return self.launcher.colocated
 
-    def _colocated_draft(self) -> dict[str, Any] | None:
-        if not self.colocated:
-            return None
-        return {
-            "spec": self.config.draft.model_dump(),
-            "min_confidence": self.config.speculation.draft_confidence_threshold,
-            "tokenizer_size": len(self.tokenizer) if self.tokenizer is not None else None,
-        }
-
-    def _spawn_draft(self):
-        cfg = self.config
-        spec = cfg.speculation
-        return (
-            ray.remote(concurrency_groups=DraftWorker.CONCURRENCY_GROUPS)(DraftWorker)
-            .options(**self._options(cfg.draft_resources, self.placement.draft_bundle))
-            .remote(
-                cfg.draft.model_dump(),
-                cfg.scheduler.max_num_seqs,
-                spec.speculation_width,
-                spec.mode == "overlap",
-                spec.adaptive_overlap,
-                cfg.transport,
-                spec.draft_confidence_threshold,
-            )
+    def _spawn_target(self):
+        return self.launcher.spawn_target(
+            self.draft_info.get("max_model_len"), self.telemetry is not None
         )
-
-    def _length_policy(self) -> dict[str, Any] | None:
-        spec = self.config.speculation
-        if spec.policy != "goodput" or self.config.draft is None:
-            return None
-        k = spec.num_speculative_tokens
-        return {"max_k": k, "default_k": k, "probe_every": spec.policy_probe_every}
 
     async def _await_ready(self, actor) -> dict[str, Any]:
         return await asyncio.wait_for(
@@ -270,18 +135,18 @@ class SpecEngine:
         cfg = self.config
         try:
             if cfg.draft is not None and not self.colocated:
-                self.draft = self._spawn_draft()
+                self.draft = self.launcher.spawn_draft()
             self.target = self._spawn_target()
             workers = {"target": self.target}
             if self.draft is not None:
                 workers["draft"] = self.draft
-            results = await self._load(workers, cfg.faults.startup_timeout_s)
+            results = await self.launcher.load(workers, cfg.faults.startup_timeout_s)
             failed = {n: r for n, r in results.items() if isinstance(r, BaseException)}
             if failed:
                 raise EngineError(
                     "; ".join(
                         f"the {name} worker ({getattr(cfg, name).model}) failed to start: "
-                        f"{_startup_cause(exc, cfg.faults.startup_timeout_s)}"
+                        f"{startup_cause(exc, cfg.faults.startup_timeout_s)}"
                         for name, exc in failed.items()
                     )
                 )
@@ -293,7 +158,7 @@ class SpecEngine:
                 self.draft_info = results["draft"]
                 self._warn_unchecked_pair()
                 await self._connect(self.target, self.draft, self.draft_info)
-            self._core_health = await self._call(self.target.health.remote())  # /health's KV
+            await self._refresh_health()  # /health's KV figures from the start
         except BaseException:  # failed, timed out or cancelled: no worker outlives the start
             await self.shutdown()
             raise
@@ -301,53 +166,7 @@ class SpecEngine:
             self._tasks.append(asyncio.create_task(self._watch_draft(self.draft)))
         self._tasks.append(asyncio.create_task(self._poll()))
         if self.telemetry is not None:
-            self._tasks.append(asyncio.create_task(self._flush_telemetry()))
-
-    async def _load(self, workers: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Each worker's ``ready`` info, all awaited at once; the first failure ends the
-        wait (the others are cancelled: a draft that fails in seconds does not wait for a
-        target that loads for minutes). Failed workers map to their exception."""
-        started = time.monotonic()
-        tasks = {
-            name: asyncio.ensure_future(asyncio.wait_for(actor.ready.remote(), timeout_s))
-            for name, actor in workers.items()
-        }
-        pending = set(tasks.values())
-        try:
-            while pending:
-                done, pending = await asyncio.wait(
-                    pending, timeout=LOAD_LOG_PERIOD_S, return_when=asyncio.FIRST_EXCEPTION
-                )
-                if any(t.exception() is not None for t in done):
-                    break
-                if pending:
-                    loading = [n for n, t in tasks.items() if t in pending]
-                    logger.info(
-                        "still loading %s (%.0f s of at most %.0f s)",
-                        " and ".join(f"{n} {getattr(self.config, n).model}" for n in loading),
-                        time.monotonic() - started,
-                        timeout_s,
-                    )
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        out = {}
-        for name, task in tasks.items():
-            if task.cancelled():
-                continue
-            exc = task.exception()
-            out[name] = exc if exc is not None else task.result()
-            if exc is None:
-                logger.info(
-                    "%s %s loaded on node %s (%s) after %.1f s",
-                    name,
-                    getattr(self.config, name).model,
-                    out[name]["node_id"],
-                    out[name]["device"],
-                    time.monotonic() - started,
-                )
-        return out
+            self._tasks.append(asyncio.create_task(self.telemetry.run()))
 
     def _warn_unchecked_pair(self) -> None:
         """Without a tokenizer the pair's ids cannot be compared (app.preflight does it
@@ -409,6 +228,11 @@ class SpecEngine:
             "running": self._core_health.get("running", 0),
             "waiting": self._core_health.get("waiting", 0),
             "kv_cache": self._core_health.get("kv_cache"),
+            "draft_kv_cache": (
+                self._core_health.get("draft_kv_cache") if self.colocated else self._draft_kv
+            )
+            if self.draft is not None or self.colocated
+            else None,
             "aborted": self.aborted,
             "error": self._fatal,
         }
@@ -503,7 +327,7 @@ class SpecEngine:
             if self.tokenizer is not None
             else None
         )
-        req = _Request(
+        req = RequestState(
             rid, list(prompt_token_ids), params, k, asyncio.Queue(), detok, domain=domain, auto=auto
         )
         self._requests[rid] = req
@@ -530,93 +354,20 @@ class SpecEngine:
                 error_type = type(exc).__name__
             raise
         finally:
-            self._record_request(req, operation, t_start, t_first, error_type)
+            if self.telemetry is not None:
+                self.telemetry.record_request(
+                    req.domain,
+                    operation,
+                    len(req.output_token_ids),
+                    t_start,
+                    t_first,
+                    error_type,
+                )
             self._requests.pop(rid, None)
             if not req.finished:
                 req.finished = True
                 self.aborted += 1
                 self._abort([rid])
-
-    def _record_request(self, req: _Request, operation, t_start, t_first, error_type) -> None:
-        if self.telemetry is None or len(self._request_records) >= MAX_PENDING_RECORDS:
-            return
-        now = time.perf_counter()
-        self._request_records.append(
-            RequestRecord(
-                model=self.config.model_name,
-                replica=self.replica,
-                domain=req.domain,
-                operation=operation,
-                time_to_first_token_s=None if t_first is None else t_first - t_start,
-                duration_s=now - t_start,
-                output_tokens=len(req.output_token_ids),
-                error_type="cancelled" if error_type in CANCELLED else error_type,
-            )
-        )
-
-    async def _flush_telemetry(self) -> None:
-        """Every ``flush_interval_s``: drain the core's round records, send them with the
-        finished requests' records to the monitor, and hand new drift alerts to the
-        core's length policy. A monitor that fails or is slow costs records, never a
-        round: the loop only appended to a list."""
-        while True:
-            await asyncio.sleep(self.flush_interval_s)
-            try:
-                await self._flush_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never end the flushing task: the next interval retries
-                logger.exception("telemetry flush failed")
-
-    async def _flush_once(self) -> None:
-        target = self.target  # the cursor below is this core's: see _replace_target
-        try:
-            drained = await self._call(target.drain_telemetry.remote())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a target being replaced: the poller handles it
-            logger.debug("no telemetry from the core: %r", exc)
-            return
-        if drained is None:
-            return
-        requests, self._request_records = self._request_records, []
-        batch = RoundBatch(
-            model=self.config.model_name,
-            replica=self.replica,
-            rounds=[RoundRecord(*r) for r in drained["rounds"]],
-            verify_s=drained["verify_s"],
-            draft_wait_s=drained["draft_wait_s"],
-            overhead_s=drained["overhead_s"],
-            committed=drained["committed"],
-            running=drained["running"],
-            waiting=drained["waiting"],
-            kv_cache_usage=drained["kv_cache"]["usage"],
-            kv_cache_token_usage=drained["kv_cache"]["token_usage"],
-            policy=drained["policy"],
-            dropped=drained.get("dropped", 0),
-        )
-        try:
-            alerts, cursor = await asyncio.wait_for(
-                self.telemetry(batch, requests, self._drift_cursor),
-                timeout=self.config.faults.call_timeout_s,
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.warning("the monitor did not take telemetry: %r", exc)
-            return
-        if self.target is not target:  # replaced meanwhile: the new core starts afresh
-            return
-        if alerts:
-            try:
-                await self._call(target.on_drift.remote(alerts))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep the cursor: the alerts come again next flush
-                logger.warning("could not hand drift alerts to the core: %r", exc)
-                return
-        if self.target is target:
-            self._drift_cursor = cursor
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:
@@ -633,7 +384,7 @@ class SpecEngine:
             return
         text = None
         if req.detok is not None:
-            new, text, stopped = _detokenize(req.detok, new, finished)
+            new, text, stopped = detokenize_until_stop(req.detok, new, finished)
             if stopped:  # a stop string ends the text here: drop what came after it
                 if not finished:
                     self._abort([rid])
@@ -680,8 +431,17 @@ class SpecEngine:
                 return
             if not outs or time.monotonic() - self._core_health_at > HEALTH_EVERY_S:
                 self._core_health_at = time.monotonic()
-                with contextlib.suppress(RayActorError, asyncio.TimeoutError):  # next poll
-                    self._core_health = await self._call(self.target.health.remote())
+                await self._refresh_health()
+
+    async def _refresh_health(self) -> None:
+        """The core's batch and KV figures, and the draft actor's KV (for /health); a
+        worker that does not answer keeps its last figures (its watcher handles it)."""
+        with contextlib.suppress(RayActorError, asyncio.TimeoutError):
+            self._core_health = await self._call(self.target.health.remote())
+        draft = self.draft
+        if draft is not None:
+            with contextlib.suppress(RayActorError, asyncio.TimeoutError):
+                self._draft_kv = (await self._call(draft.stats.remote()))["kv_cache"]
 
     def _fail(self, message: str) -> None:
         self._fatal = message
@@ -717,7 +477,8 @@ class SpecEngine:
             ray.kill(self.target, no_restart=True)
             self._replacing_target = True
             self.target = self._spawn_target()
-            self._drift_cursor = None  # a new core's policy: only the alerts firing now
+            if self.telemetry is not None:  # a new core's policy: only the alerts firing now
+                self.telemetry.reset()
             try:
                 self.target_info = await self._await_ready(self.target)
                 if self.colocated:
@@ -805,7 +566,7 @@ class SpecEngine:
             if dead is not None:
                 ray.kill(dead, no_restart=True)
             while self._fatal is None:
-                actor = self._spawn_draft()
+                actor = self.launcher.spawn_draft()
                 try:
                     info = await self._await_ready(actor)
                     await self._connect(self.target, actor, info)
@@ -831,26 +592,3 @@ class SpecEngine:
                 return
         finally:
             self._draft_restarting = None
-
-
-def _startup_cause(exc: BaseException, timeout_s: float) -> str:
-    """What made a worker fail to start, in one line (a Ray task error's cause, not its
-    remote traceback)."""
-    if isinstance(exc, asyncio.TimeoutError):
-        return f"not loaded within faults.startup_timeout_s = {timeout_s:.0f} s"
-    cause = getattr(exc, "cause", None) or exc
-    text = f"{type(cause).__name__}: {cause}"
-    return text.strip().splitlines()[-1] if "Traceback" in text else text.strip()
-
-
-def _detokenize(detok: IncrementalDetokenizer, new: list[int], final: bool):
-    """``(tokens kept, their text, stopped)``: the text the client receives, cut at the
-    first stop string, and only the tokens up to the one that completed it."""
-    if not detok.stop:
-        return new, detok.add(new, final=final), False
-    text = ""
-    for j, tok in enumerate(new):
-        text += detok.add([tok], final=final and j == len(new) - 1)
-        if detok.stopped:
-            return new[: j + 1], text, True
-    return new, text, False

@@ -100,7 +100,7 @@ def _claim(options: dict) -> dict[str, float]:
 
 
 def _worker_options(res: WorkerResources) -> dict:
-    """What the engine asks Ray for per worker (deployments.engine.SpecEngine._options)."""
+    """What the engine asks Ray for per worker (``WorkerLauncher.options``)."""
     return {
         "num_cpus": res.num_cpus,
         "num_gpus": res.num_gpus,
@@ -198,6 +198,9 @@ def test_a_colocated_draft_has_no_bundle_and_takes_turns():
         ({"speculation": {"mode": "overlap"}}, "speculation.mode 'overlap'"),
         ({"transport": "compiled_graph"}, "transport"),
         ({"placement_strategy": "STRICT_SPREAD"}, "STRICT_SPREAD"),
+        ({"draft": {"model": "d", "kv_cache_memory_bytes": 10**9}}, "draft.kv_cache_memory_bytes"),
+        ({"draft": {"model": "d", "kv_cache_memory_fraction": 0.2}}, "draft.kv_cache_memory_frac"),
+        ({"draft": {"model": "d", "device": "cuda:1"}}, "draft.device"),
     ],
 )
 def test_colocated_refusals_name_the_field(bad, field):

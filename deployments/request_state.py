@@ -1,0 +1,101 @@
+"""What the frontend keeps per request, what it streams out, and the errors it raises.
+
+Plain data (no Ray, no asyncio work): :class:`deployments.engine.SpecEngine` owns the
+live :class:`RequestState` objects and the OpenAI layer turns :class:`RequestOutput` and
+the errors into HTTP responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass, field
+
+from deployments.detokenizer import IncrementalDetokenizer
+from specdec.sampling import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """A request could not be completed; the message says why."""
+
+
+class EngineOverloadedError(EngineError):
+    """Too many requests are waiting; retry later (HTTP 503)."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses (HTTP 400); ``param`` names the offending input."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class RequestStats:
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0  # verification rounds that carried drafts
+    cache_hits: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """A streamed piece of a request's output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: RequestStats
+    text: str | None = None  # the new text the client receives (None without a tokenizer)
+    # per new token: (logprob, [(token_id, logprob), ...]) when the request asked for them
+    logprobs: list[tuple] | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    k: int  # the request's draft length, or the policy's cap when ``auto``
+    queue: asyncio.Queue
+    detok: IncrementalDetokenizer | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    domain: str = "default"
+    auto: bool = False  # the length policy chooses k per round
+
+    def core_item(self) -> tuple:
+        """What the core needs to start, or resume, this request."""
+        return (
+            self.request_id,
+            self.prompt_token_ids,
+            list(self.output_token_ids),
+            asdict(self.params),
+            self.k,
+            self.domain,
+            self.auto,
+        )
+
+
+def detokenize_until_stop(detok: IncrementalDetokenizer, new: list[int], final: bool):
+    """``(tokens kept, their text, stopped)``: the text the client receives, cut at the
+    first stop string, and only the tokens up to the one that completed it."""
+    if not detok.stop:
+        return new, detok.add(new, final=final), False
+    text = ""
+    for j, tok in enumerate(new):
+        text += detok.add([tok], final=final and j == len(new) - 1)
+        if detok.stopped:
+            return new[: j + 1], text, True
+    return new, text, False

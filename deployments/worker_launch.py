@@ -1,0 +1,169 @@
+"""Creating the engine's worker actors and waiting for them to load.
+
+What each worker asks Ray for comes from config (``*_resources``) and the replica's
+placement group (:func:`deployments.placement.placement_for` picks the bundle); nothing
+here decides when a worker is replaced — :class:`deployments.engine.SpecEngine` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.config import EngineConfig, WorkerResources
+from deployments.core import EngineCore
+from deployments.placement import placement_for
+from deployments.workers import DraftWorker
+
+logger = logging.getLogger("specserve.engine")
+
+LOAD_LOG_PERIOD_S = 30.0  # how often a slow model load is reported in the logs
+
+
+class WorkerLauncher:
+    """Spawns the core (target + round loop, and a colocated draft) and the draft actor."""
+
+    def __init__(self, config: EngineConfig, placement_group=None, tokenizer=None):
+        self.config = config
+        self.placement = placement_for(config)
+        self.pg = placement_group
+        self.tokenizer = tokenizer
+        # The core adds the EOS ids of the model's generation_config to these.
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else []
+
+    @property
+    def colocated(self) -> bool:
+        """The draft runs in the core's process (config ``draft_placement``)."""
+        return self.config.draft is not None and self.config.draft_placement == "colocated"
+
+    def options(self, res: WorkerResources, bundle_index: int | None) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "num_cpus": res.num_cpus,
+            "num_gpus": res.num_gpus,
+            "resources": dict(res.resources) or None,
+        }
+        if res.accelerator_type:
+            opts["accelerator_type"] = res.accelerator_type
+        if self.pg is not None and bundle_index is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=bundle_index
+            )
+        return opts
+
+    def spawn_target(self, draft_max_model_len: int | None, telemetry: bool):
+        """The :class:`EngineCore` actor; ``draft_max_model_len``: the loaded draft's, if
+        known (else the configured one)."""
+        cfg = self.config
+        if draft_max_model_len is None and cfg.draft is not None:
+            draft_max_model_len = cfg.draft.max_model_len
+        return (
+            ray.remote(concurrency_groups=EngineCore.CONCURRENCY_GROUPS)(EngineCore)
+            .options(**self.options(cfg.target_resources, self.placement.target_bundle))
+            .remote(
+                cfg.target.model_dump(),
+                cfg.scheduler.max_num_seqs,
+                self.eos_token_ids,
+                cfg.faults.draft_timeout_s,
+                draft_max_model_len,
+                cfg.transport,
+                self._length_policy(),
+                telemetry,
+                self._colocated_draft(),
+            )
+        )
+
+    def spawn_draft(self):
+        cfg = self.config
+        spec = cfg.speculation
+        return (
+            ray.remote(concurrency_groups=DraftWorker.CONCURRENCY_GROUPS)(DraftWorker)
+            .options(**self.options(cfg.draft_resources, self.placement.draft_bundle))
+            .remote(
+                cfg.draft.model_dump(),
+                cfg.scheduler.max_num_seqs,
+                spec.speculation_width,
+                spec.mode == "overlap",
+                spec.adaptive_overlap,
+                cfg.transport,
+                spec.draft_confidence_threshold,
+            )
+        )
+
+    def _colocated_draft(self) -> dict[str, Any] | None:
+        if not self.colocated:
+            return None
+        return {
+            "spec": self.config.draft.model_dump(),
+            "min_confidence": self.config.speculation.draft_confidence_threshold,
+            "tokenizer_size": len(self.tokenizer) if self.tokenizer is not None else None,
+        }
+
+    def _length_policy(self) -> dict[str, Any] | None:
+        spec = self.config.speculation
+        if spec.policy != "goodput" or self.config.draft is None:
+            return None
+        k = spec.num_speculative_tokens
+        return {"max_k": k, "default_k": k, "probe_every": spec.policy_probe_every}
+
+    async def load(self, workers: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Each worker's ``ready`` info, all awaited at once; the first failure ends the
+        wait (the others are cancelled: a draft that fails in seconds does not wait for a
+        target that loads for minutes). Failed workers map to their exception; slow loads
+        are logged every ``LOAD_LOG_PERIOD_S``."""
+        started = time.monotonic()
+        tasks = {
+            name: asyncio.ensure_future(asyncio.wait_for(actor.ready.remote(), timeout_s))
+            for name, actor in workers.items()
+        }
+        pending = set(tasks.values())
+        try:
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=LOAD_LOG_PERIOD_S, return_when=asyncio.FIRST_EXCEPTION
+                )
+                if any(t.exception() is not None for t in done):
+                    break
+                if pending:
+                    loading = [n for n, t in tasks.items() if t in pending]
+                    logger.info(
+                        "still loading %s (%.0f s of at most %.0f s)",
+                        " and ".join(f"{n} {getattr(self.config, n).model}" for n in loading),
+                        time.monotonic() - started,
+                        timeout_s,
+                    )
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        out = {}
+        for name, task in tasks.items():
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            out[name] = exc if exc is not None else task.result()
+            if exc is None:
+                logger.info(
+                    "%s %s loaded on node %s (%s) after %.1f s",
+                    name,
+                    getattr(self.config, name).model,
+                    out[name]["node_id"],
+                    out[name]["device"],
+                    time.monotonic() - started,
+                )
+        return out
+
+
+def startup_cause(exc: BaseException, timeout_s: float) -> str:
+    """What made a worker fail to start, in one line (a Ray task error's cause, not its
+    remote traceback)."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"not loaded within faults.startup_timeout_s = {timeout_s:.0f} s"
+    cause = getattr(exc, "cause", None) or exc
+    text = f"{type(cause).__name__}: {cause}"
+    return text.strip().splitlines()[-1] if "Traceback" in text else text.strip()
