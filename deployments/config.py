@@ -321,6 +321,17 @@ class EngineConfig(_Strict):
             )
         if self.transport != "actor":
             raise ValueError("transport: a colocated draft sends no messages; leave 'actor'")
+        for budget in ("kv_cache_memory_bytes", "kv_cache_memory_fraction"):
+            if getattr(self.draft, budget) is not None:
+                raise ValueError(
+                    f"draft.{budget}: a colocated draft's KV comes out of the target's budget "
+                    f"(one budget for both); set target.{budget}"
+                )
+        if self.draft.device != self.target.device and self.draft.device != "auto":
+            raise ValueError(
+                f"draft.device {self.draft.device!r}: a colocated draft runs on the target's "
+                f"device ({self.target.device!r}); leave it 'auto' or use draft_placement 'actor'"
+            )
         if "mode" not in self.speculation.model_fields_set:
             self.speculation.mode = "sequential"  # draft and target take turns
         elif self.speculation.mode == "overlap":

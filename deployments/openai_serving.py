@@ -132,6 +132,7 @@ class OpenAIServing:
             running=h["running"],
             waiting=h["waiting"],
             kv_cache=h["kv_cache"],
+            draft_kv_cache=h["draft_kv_cache"],
             aborted=h["aborted"],
             error=h["error"],
         )
@@ -230,6 +231,16 @@ class OpenAIServing:
                 "context_length_exceeded",
                 field,
             )
+        vocab = self.engine.target_info["vocab_size"]
+        stop_ids = list(req.stop_token_ids or [])
+        if any(not 0 <= t < vocab for t in stop_ids):
+            raise bad_request(
+                f"stop_token_ids must be token ids in [0, {vocab})",
+                "invalid_value",
+                "stop_token_ids",
+            )
+        if chat and not req.ignore_eos:  # the template's end of turn ends a chat reply
+            stop_ids += [t for t in self.chat_stop_ids if t not in stop_ids]
         # Chat asks with a flag and a count, completions with a count alone.
         chat_logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
         logprobs = chat_logprobs if chat else req.logprobs
@@ -240,7 +251,8 @@ class OpenAIServing:
             seed=req.seed,
             max_tokens=max_tokens,
             stop=tuple(stop),
-            stop_token_ids=self.chat_stop_ids if chat else (),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
         )
 

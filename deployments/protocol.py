@@ -19,6 +19,7 @@ from deployments.config import _Strict
 from specdec.sampling import MAX_LOGPROBS
 
 TokenId = Annotated[int, Strict()]  # `true` is not token 1
+MAX_STOP_TOKEN_IDS = 64
 
 
 class SpeculationOptions(_Strict):
@@ -85,6 +86,21 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = Field(
         default=None, max_length=16, description="Free-form tags (up to 16), not interpreted."
     )
+    ignore_eos: bool | None = Field(
+        default=False,
+        description="Keep generating past end-of-sequence (and chat end-of-turn) tokens: "
+        "exactly max_tokens tokens unless a stop string or stop_token_ids end it first "
+        "(what benchmark clients send to fix output lengths).",
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description=f"Token ids that end generation (kept in the output), up to "
+        f"{MAX_STOP_TOKEN_IDS}.",
+    )
+    repetition_penalty: float | None = Field(
+        default=1.0, description="Not supported yet: only 1 (no penalty) or null."
+    )
     frequency_penalty: float | None = Field(default=0.0, description="Not supported: only 0.")
     presence_penalty: float | None = Field(default=0.0, description="Not supported: only 0.")
     logit_bias: dict[str, float] | None = Field(
@@ -98,6 +114,11 @@ class _SamplingFields(_Strict):
     @classmethod
     def _no_penalty(cls, v: float | None, info) -> float | None:
         return _neutral(info.field_name, v, (0.0, None))
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v: float | None) -> float | None:
+        return _neutral("repetition_penalty", v, (1.0, None))
 
     @field_validator("logit_bias")
     @classmethod
@@ -319,7 +340,7 @@ class ErrorResponse(BaseModel):
 
 
 class KVCacheUsage(BaseModel):
-    """The target's KV cache: slots allocated once at startup, each for max_model_len."""
+    """A worker's KV cache: slots allocated once at startup, each for max_model_len."""
 
     num_slots: int = Field(description="Slots allocated (sequences that can run at once).")
     used_slots: int = Field(description="Slots held by running sequences.")
@@ -345,6 +366,12 @@ class Health(BaseModel):
     waiting: int = Field(description="Sequences admitted to the core, not yet running.")
     kv_cache: KVCacheUsage | None = Field(
         default=None, description="The target's KV cache (None until the core reports)."
+    )
+    draft_kv_cache: KVCacheUsage | None = Field(
+        default=None,
+        description="The draft's KV cache: slots kept for the core's sequences, the spare "
+        "ones lent to speculation branches (colocated: carved from the target's device "
+        "budget). None without a draft, or while one is replaced.",
     )
     aborted: int = Field(description="Requests whose client left before they finished.")
     error: str | None = Field(default=None, description="Why the replica cannot serve.")

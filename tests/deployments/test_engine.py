@@ -600,15 +600,24 @@ def test_every_generation_config_eos_id_ends_a_sequence(
     target = _copy_model(tiny_target, tmp_path / "two-eos", two_eos)
     params = SamplingParams(temperature=0.0, max_tokens=24)
 
+    ignore = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
     async def body(engine):
         on = await collect(engine, prompt, params)
         off = await collect(engine, prompt, params, speculation=False)
-        return on, off, engine.target_info["eos_token_ids"]
+        past = [await collect(engine, prompt, ignore, speculation=s) for s in (True, False)]
+        return on, off, past, engine.target_info["eos_token_ids"]
 
-    (on, on_last), (off, off_last), eos = asyncio.run(with_engine(config(target, tiny_draft), body))
+    (on, on_last), (off, off_last), past, eos = asyncio.run(
+        with_engine(config(target, tiny_draft), body)
+    )
     assert ref[j] in eos
     assert on == off == ref[: j + 1]
     assert on_last.finish_reason == off_last.finish_reason == "stop"
+    # ignore_eos: past the EOS to exactly max_tokens, drafts neither stopping nor overshooting
+    for tokens, last in past:
+        assert tokens == ref and last.finish_reason == "length"
+    assert past[0][1].stats.drafted > 0
 
 
 def test_seeded_request_resumes_identically_after_target_replacement(
@@ -876,6 +885,8 @@ def test_requests_wait_for_kv_slots_and_the_draft_shares_its_budget(
     assert sum(last.stats.drafted for _, last in results) > 0
     assert health["kv_cache"]["num_slots"] == 2
     assert stats["kv_cache"]["num_slots"] == 3 and stats["failed_sequences"] == 0
+    assert health["draft_kv_cache"]["num_slots"] == 3  # /health shows the draft's budget too
+    assert stats["speculated"] > 0  # branches were drafted, in the one slot lent to them
     assert_nothing_held(held)
 
 
@@ -910,6 +921,7 @@ def test_a_colocated_draft_shares_the_targets_kv_budget_and_device(
     assert all(len(tokens) == 24 and last.stats.drafted > 0 for tokens, last in results)
     assert core["kv_cache"]["num_slots"] == 2 and core["draft_kv_cache"]["num_slots"] == 2
     assert health["status"] == "ok" and health["draft"]
+    assert health["draft_kv_cache"]["num_slots"] == 2
     assert_nothing_held(held)
     # Seeded rows, one at a time (see the seeded test): the one-process tokens.
     one = config(

@@ -79,6 +79,8 @@ def test_models_and_health(base_url, client):
     kv = health["kv_cache"]  # the target's slots, allocated once at startup
     assert kv["num_slots"] >= 1 and kv["allocated_bytes"] > 0
     assert 0 <= kv["used_slots"] <= kv["num_slots"] and 0.0 <= kv["usage"] <= 1.0
+    draft_kv = health["draft_kv_cache"]  # the draft actor's, slots for sequences + branches
+    assert draft_kv["num_slots"] >= kv["num_slots"] and draft_kv["allocated_bytes"] > 0
 
 
 def test_greedy_completion_equals_target_only(client, tokenizer):
@@ -96,6 +98,27 @@ def test_greedy_completion_equals_target_only(client, tokenizer):
     spec = resp.model_extra["speculation"]
     assert spec["enabled"] and spec["drafted"] > 0 and 0 < spec["acceptance_rate"] <= 1
     assert spec["mean_acceptance_length"] > 1 and spec["rounds"] > 0
+
+
+def test_stop_token_ids_and_ignore_eos_as_benchmark_clients_send_them(base_url, tokenizer):
+    """vllm bench and GuideLLM fix output lengths with ``ignore_eos`` (and send
+    ``repetition_penalty: 1``, ``stop: null``, ``logprobs: null``): accepted and honoured
+    with speculation on. ``stop_token_ids`` ends the output at (and with) that token."""
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = generate_autoregressive(ModelRunner(DEMO_TARGET), prompt_ids, params).token_ids
+    j = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])
+    body = {**COMPLETION, "prompt": prompt_ids, "temperature": 0, "max_tokens": 32}
+    clients = {"ignore_eos": True, "repetition_penalty": 1.0, "stop": None, "logprobs": None}
+    full = post(base_url, "/v1/completions", {**body, **clients})
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"]["completion_tokens"] == 32
+    assert full.json()["choices"][0]["text"] == tokenizer.decode(ref, skip_special_tokens=True)
+    assert full.json()["speculation"]["drafted"] > 0
+    cut = post(base_url, "/v1/completions", {**body, **clients, "stop_token_ids": [ref[j]]})
+    choice = cut.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and cut.json()["usage"]["completion_tokens"] == j + 1
+    assert choice["text"] == tokenizer.decode(ref[: j + 1], skip_special_tokens=True)
 
 
 def test_streamed_text_equals_non_streamed_for_same_seed(client):
@@ -392,6 +415,11 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 UNSUPPORTED = [
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 1.1}, "repetition_penalty"),
+    ("/v1/completions", {"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ("/v1/completions", {"stop_token_ids": [True]}, "stop_token_ids"),
+    ("/v1/chat/completions", {"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ("/v1/completions", {"ignore_eos": "yes"}, "ignore_eos"),
     ("/v1/completions", {"presence_penalty": -1}, "presence_penalty"),
     ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
@@ -433,6 +461,7 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(base_url):
     neutral = {
         "frequency_penalty": 0,
         "presence_penalty": 0.0,
+        "repetition_penalty": 1,
         "logit_bias": {},
         "response_format": {"type": "text"},
         "tools": [],

@@ -24,6 +24,9 @@ PARAMS = {
         temperature=0.7, top_p=0.8, seed=4, max_tokens=16, ignore_eos=True
     ),
 }
+# The confidence stop for the ragged batch: the tiny draft is unsure enough that some rows
+# stop early and sure enough that others go on.
+RAGGED_CONFIDENCE = 0.05
 
 
 @pytest.fixture
@@ -71,13 +74,33 @@ def _branches(draft):
             drafter.free(sid)
 
 
+def _ragged_dynamic_lengths(draft, min_confidence: float):
+    """One batch of every kind of row with the confidence stop: rows stop drafting at
+    different steps, so later steps run on a subset of the batch (indexed writes)."""
+    torch.manual_seed(2)
+    proposer = DraftModelProposer(draft, min_confidence=min_confidence)
+    drafter = SpeculativeDrafter(proposer)
+    try:
+        for i, params in enumerate([*PARAMS.values(), PARAMS["greedy"], PARAMS["sampled"]]):
+            drafter.add(f"r{i}", [*PROMPT, 3 * i + 1], params)
+        ids = list(drafter.seqs)
+        return [d.tokens for d in drafter.propose(ids, [6] * len(ids))]
+    finally:
+        for sid in list(drafter.seqs):
+            drafter.free(sid)
+
+
 def test_hot_path_makes_nothing_on_the_default_device(runners, meta_default):
     target, draft = runners
     on_meta = _all_paths(target, draft)
     meta_branches = _branches(draft)
+    meta_ragged = _ragged_dynamic_lengths(draft, RAGGED_CONFIDENCE)
     torch.set_default_device(None)
     assert on_meta == _all_paths(target, draft)  # the same tokens (seeded rows) and counts
     assert meta_branches == _branches(draft) and meta_branches[1] > 0
+    assert meta_ragged == _ragged_dynamic_lengths(draft, RAGGED_CONFIDENCE)
+    lengths = sorted({len(t) for t in meta_ragged})
+    assert len(lengths) > 1 and lengths[-1] > 1, lengths  # rows stopped at different steps
     assert all(on_meta[name, 0.0][1] > 0 for name in PARAMS)  # drafts at every setting
     assert target.num_seqs == 0 and draft.num_seqs == 0
 
