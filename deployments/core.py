@@ -483,6 +483,7 @@ class EngineCore:
         found, waited = self._gather()
         seqs = list(sched.running.values())
         planned = max((seq.k_next for seq in seqs), default=0)  # the k this round costs
+        asked = sum(1 for seq in seqs if seq.k_next > 0)
         # Rows back from a pause made the draft prefill their whole context first: this
         # round's time says what resuming costs, not what a round at ``planned`` does.
         resuming = any(seq.resuming and seq.k_next > 0 for seq in seqs)
@@ -553,7 +554,7 @@ class EngineCore:
         t.draft_wait_s += waited
         t.verify_s += verify_s
         t.total_s += total_s
-        sched.observe_round(outcomes, len(seqs), planned, total_s, resuming)
+        sched.observe_round(outcomes, len(seqs), planned, total_s, resuming, asked)
         if self._telemetry is not None:
             # The policy's snapshot costs ~10 us per domain: published at most every
             # POLICY_STATE_EVERY_S, and when the batch empties (its last word before idling).

@@ -184,13 +184,23 @@ class Scheduler:
         self.forced = self.policy.plan_round(batch_size)
 
     def observe_round(
-        self, outcomes: list[tuple], batch_size: int, planned: int, total_s: float, resuming: bool
+        self,
+        outcomes: list[tuple],
+        batch_size: int,
+        planned: int,
+        total_s: float,
+        resuming: bool,
+        asked: int = 0,
     ) -> None:
         """A round ended: acceptance per domain, and (unless rows resumed, whose drafts
-        began with a prefill) what a round of ``batch_size`` rows at ``planned`` cost."""
+        began with a prefill) what a round of ``batch_size`` rows at ``planned`` cost;
+        ``asked``: its rows that asked for drafts (``outcomes`` has those that got some)."""
         if self.policy is None:
             return
         for domain, drafted, accepted, _hit in outcomes:
             self.policy.observe_round(domain, drafted, accepted)
         if not resuming:
-            self.policy.observe_round_time(batch_size, planned, total_s)
+            # The drafts each row asked to draft really got (0 for one whose drafts never
+            # came): what a round planned at ``planned`` delivers, confidence stops included.
+            got = sum(o[1] for o in outcomes) / asked if asked else None
+            self.policy.observe_round_time(batch_size, planned, total_s, got)

@@ -187,6 +187,10 @@ class _Costs:
     """Measured critical-path round time of one batch-size bucket, per draft length."""
 
     seconds: dict[int, float] = field(default_factory=dict)  # k -> decayed mean round time
+    # k -> decayed mean of the drafts a drafted row really got in rounds planned at k: a
+    # draft that stops where it is unsure (draft_confidence_threshold) or a draft that
+    # timed out gives fewer than k, and E(α, k) must count the drafts that were made.
+    drafted: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
     last: dict[int, int] = field(default_factory=dict)  # k -> round of its last measurement
     tries: dict[int, int] = field(default_factory=dict)  # k -> rounds forced to measure it
@@ -206,7 +210,9 @@ class SpeculationLength:
 
     * ``α̂ = A / (A + R)`` per domain: decayed counts of accepted tokens and of rounds that
       hit a rejection (independent of k, unlike accepted/drafted), and
-      ``E(α, k) = (1 - α^(k+1)) / (1 - α)`` tokens per round;
+      ``E(α, k) = (1 - α^(k+1)) / (1 - α)`` tokens per round, with k the drafts a row
+      really gets when k is asked for (measured per bucket: a draft with a confidence stop
+      proposes far fewer than a large k, and counting k would make a long k look cheap);
     * ``T(b, k)``: the measured critical-path time of engine rounds in the batch-size
       bucket of ``b`` whose longest draft was k (verification, waiting for drafts and
       every overhead: what the pipeline really costs, overlap and contention included),
@@ -264,18 +270,25 @@ class SpeculationLength:
         d.accepted = self.decay * d.accepted + accepted
         d.rejections = self.decay * d.rejections + (1.0 if accepted < drafted else 0.0)
 
-    def observe_round_time(self, batch_size: int, k: int, seconds: float) -> None:
-        """An engine round over ``batch_size`` rows whose longest draft was ``k`` took
-        ``seconds`` on the critical path (drafts waited for, verification, overhead)."""
+    def observe_round_time(
+        self, batch_size: int, k: int, seconds: float, drafted: float | None = None
+    ) -> None:
+        """An engine round over ``batch_size`` rows planned at ``k`` drafts (the longest
+        asked for) took ``seconds`` on the critical path (drafts waited for, verification,
+        overhead); ``drafted``: the mean number of drafts its drafting rows really got
+        (None: k each)."""
         if seconds <= 0 or not 0 <= k <= self.max_k:
             return
         c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
-        old = c.seconds.get(k)
-        c.seconds[k] = (
-            seconds if old is None else (self.cost_decay * old + (1 - self.cost_decay) * seconds)
-        )
+        c.seconds[k] = self._decayed(c.seconds.get(k), seconds)
+        if k > 0:
+            got = float(k) if drafted is None else min(float(k), max(0.0, drafted))
+            c.drafted[k] = self._decayed(c.drafted.get(k), got)
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
+
+    def _decayed(self, old: float | None, new: float) -> float:
+        return new if old is None else self.cost_decay * old + (1 - self.cost_decay) * new
 
     def on_drift(self, domain: str, current_alpha: float, weight: float | None = None) -> None:
         """A drift alert: forget the domain's history in favour of the recent estimate."""
@@ -328,17 +341,16 @@ class SpeculationLength:
         c = self._costs.get(batch_bucket(batch_size))
         if c is None or not c.seconds:
             return None
-        if k in c.seconds:
-            return c.seconds[k]
-        drafted = sorted((m, t) for m, t in c.seconds.items() if m > 0)
-        if k == 0 or not drafted:
-            return None
-        below = [(m, t) for m, t in drafted if m < k]
-        above = [(m, t) for m, t in drafted if m > k]
-        if below and above:
-            (k0, t0), (k1, t1) = below[-1], above[0]
-            return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
-        return (below or above)[-1 if below else 0][1]  # past the data: the nearest
+        if k == 0:
+            return c.seconds.get(0)
+        return _interpolate(c.seconds, k)
+
+    def drafts_per_row(self, batch_size: int, k: int) -> float:
+        """The drafts a drafting row is expected to get when k is asked for: measured in
+        the bucket (interpolated between measured lengths, never above k), else k."""
+        c = self._costs.get(batch_bucket(batch_size))
+        got = None if c is None or k == 0 else _interpolate(c.drafted, k)
+        return float(k) if got is None else min(float(k), got)
 
     def predicted_k(self, domain: str, batch_size: int) -> int:
         """The goodput-maximising k from what is measured (``default_k`` until then)."""
@@ -351,7 +363,7 @@ class SpeculationLength:
             t = self.round_time(batch_size, k)
             if t is None:
                 continue
-            rate = expected_tokens_per_round(alpha, k) / t
+            rate = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k)) / t
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -415,3 +427,19 @@ class SpeculationLength:
                 ratios[bucket] = self.round_time_ratios(d.batch_size)
             out[name] = {"k": d.k, "alpha": self.alpha(name), "round_time_ratio": ratios[bucket]}
         return out
+
+
+def _interpolate(by_k: dict[int, float], k: int) -> float | None:
+    """A per-k measurement at ``k >= 1``: measured, or linear between the nearest measured
+    lengths around it, or past the data the nearest one; None without data at k >= 1."""
+    if k in by_k:
+        return by_k[k]
+    drafted = sorted((m, v) for m, v in by_k.items() if m > 0)
+    if not drafted:
+        return None
+    below = [(m, v) for m, v in drafted if m < k]
+    above = [(m, v) for m, v in drafted if m > k]
+    if below and above:
+        (k0, v0), (k1, v1) = below[-1], above[0]
+        return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
+    return (below or above)[-1 if below else 0][1]

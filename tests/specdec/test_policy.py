@@ -246,3 +246,36 @@ def test_forced_measurements_stay_bounded_when_other_rows_set_the_round_length()
         forced += k is not None
         policy.observe_round_time(4, 4, 1.0)  # a row with its own k = 4 is always there
     assert forced <= 2 * 3 * 2 + 3 * 2 * (1000 // 256 + 1), forced
+
+
+@pytest.mark.parametrize("report_drafts", [True, False])
+def test_a_confidence_stop_counts_the_drafts_made_not_the_k_asked(report_drafts):
+    """With a confidence stop a round planned at k = 12 gets ~2 drafts a row: it costs a
+    2-draft round and commits what 2 drafts commit. At batch 16 that loses (E(0.8, 2) =
+    2.44 tokens for 2.8x the time of a plain round); counted as 12 drafts (E = 4.66) it
+    would look like a win: the wrong twin (drafts not reported) speculates, the policy not."""
+    policy = SpeculationLength(max_k=12, default_k=12)
+
+    def cost(b, drafts):
+        return 0.2 + 0.05 * b * (drafts + 1) + 0.1 * drafts
+
+    for k in range(13):
+        made = min(k, 2)
+        for _ in range(4):
+            policy.observe_round_time(16, k, cost(16, made), made if report_drafts else None)
+    _feed(policy, "d", 0.8, 600, k=2)
+    if report_drafts:
+        assert policy.drafts_per_row(16, 12) == pytest.approx(2.0)
+        assert policy.predicted_k("d", 16) == 0
+    else:
+        assert policy.predicted_k("d", 16) == 12
+
+
+def test_drafts_per_row_interpolates_between_measured_lengths():
+    policy = SpeculationLength(max_k=12, default_k=12)
+    assert policy.drafts_per_row(1, 5) == 5.0  # nothing measured: k
+    policy.observe_round_time(1, 1, 1.0, 1.0)
+    policy.observe_round_time(1, 12, 2.0, 3.2)
+    assert policy.drafts_per_row(1, 12) == pytest.approx(3.2)
+    assert policy.drafts_per_row(1, 6) == pytest.approx(1.0 + 2.2 * 5 / 11)
+    assert policy.drafts_per_row(1, 2) <= 2.0
