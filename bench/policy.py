@@ -1,7 +1,19 @@
 """The length policy against always-on and always-off speculation, over HTTP.
 
+    python -m bench.policy --shipped                     # what a user gets (see below)
     python -m bench.policy                               # demo pair, Python prompts
     python -m bench.policy --draft demo-draft-python --prompts prose --name policy_drift
+
+``--shipped`` (``bench/results/policy_shipped.*``): the shipped
+``cluster/serve/demo.yaml`` as it is (only the ports changed), a **fresh** application for
+every concurrency, prompts the recipe never saw (:mod:`bench.heldout`: third-party Python
+and licence texts), waves of c concurrent 64-token greedy requests alternating between
+the default (the config's policy) and speculation off, the order rotated every pair.
+Every wave counts, the first included: the ratio is what a user gets from the first
+minute, learning and all. Per wave it also records how much the default drafted (the
+policy's choices settling).
+
+Without ``--shipped``:
 
 Starts a local Ray + Serve with the demo app (``speculation.policy: goodput``, k up to
 ``--k``), then at each concurrency runs, interleaved in blocks and repeated ``--reps``
@@ -25,10 +37,13 @@ from pathlib import Path
 import httpx
 
 from bench.common import median, write_result
+from bench.heldout import mixed
 from specdec.demo.corpus import read_jsonl
 
-MODELS = Path(__file__).resolve().parents[1] / "models"
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
 MODES = ("on", "off", "policy")
+SHIPPED = ROOT / "cluster" / "serve" / "demo.yaml"
 
 
 def app_config(draft: str, k: int, metrics_port: int) -> dict:
@@ -103,6 +118,143 @@ async def measure(url, prompts, args) -> dict:
     return out
 
 
+async def shipped_wave(http, prompts, mode, concurrency, requests, max_tokens, start) -> dict:
+    """One wave of the shipped-config run: ``requests`` completions, ``concurrency`` at once."""
+    body = {"model": "demo-target", "max_tokens": max_tokens, "temperature": 0}
+    if mode == "off":
+        body |= {"speculation": {"enabled": False}}
+    queue = list(range(requests))
+    totals = {"tokens": 0, "drafted": 0, "accepted": 0, "spec_rounds": 0}
+
+    async def client():
+        while queue:
+            i = queue.pop()
+            r = await http.post(
+                "/v1/completions", json={**body, "prompt": prompts[(start + i) % len(prompts)]}
+            )
+            r.raise_for_status()
+            out = r.json()
+            totals["tokens"] += out["usage"]["completion_tokens"]
+            spec = out["speculation"]
+            totals["drafted"] += spec["drafted"]
+            totals["accepted"] += spec["accepted"]
+            totals["spec_rounds"] += spec["rounds"]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    return {"mode": mode, "tokens_per_s": round(totals["tokens"] / seconds, 2), **totals}
+
+
+def settled_after(waves: list[dict]) -> int:
+    """Waves of the default until its drafting (drafted per token) stays within 25 % of the
+    last wave's (or under 0.05 drafts per token, for a policy that settles at k = 0)."""
+    rates = [w["drafted"] / max(1, w["tokens"]) for w in waves]
+    final = rates[-1]
+
+    def close(r: float) -> bool:
+        return (r < 0.05 and final < 0.05) or abs(r - final) <= 0.25 * max(final, 0.05)
+
+    first = len(rates)
+    for i in range(len(rates) - 1, -1, -1):
+        if not close(rates[i]):
+            break
+        first = i
+    return first + 1  # 1-based: the wave from which it stayed
+
+
+async def measure_shipped(url: str, deploy, args) -> dict:
+    """A fresh application per concurrency (``deploy()``), then alternating waves."""
+    prompts = mixed(args.heldout_prompts, seed=args.seed)
+    out = {}
+    limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        for c in args.concurrency:
+            deploy()
+            requests = max(c, args.min_requests)
+            waves = []
+            for pair in range(args.waves):
+                order = ("default", "off") if pair % 2 == 0 else ("off", "default")
+                for mode in order:
+                    start = (len(waves) * requests * 7919 + c) % len(prompts)
+                    w = await shipped_wave(http, prompts, mode, c, requests, args.max_tokens, start)
+                    waves.append(w)
+                    print(
+                        f"c={c} pair={pair} {mode}: {w['tokens_per_s']:.1f} tok/s, "
+                        f"drafted {w['drafted']} for {w['tokens']} tokens",
+                        flush=True,
+                    )
+            rate = {
+                m: [w["tokens_per_s"] for w in waves if w["mode"] == m] for m in ("default", "off")
+            }
+            default = [w for w in waves if w["mode"] == "default"]
+            pairs = list(zip(rate["default"], rate["off"], strict=True))
+            out[str(c)] = {
+                "tokens_per_s_median": {m: round(median(v), 2) for m, v in rate.items()},
+                "default_over_off": round(median(rate["default"]) / median(rate["off"]), 3),
+                "default_over_off_total": round(sum(rate["default"]) / sum(rate["off"]), 3),
+                "default_over_off_first_pair": round(pairs[0][0] / pairs[0][1], 3),
+                "default_settled_after_waves": settled_after(default),
+                "waves": waves,
+            }
+            print(f"c={c}: default/off {out[str(c)]['default_over_off']}", flush=True)
+    return out
+
+
+def plot_shipped(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ratios = [results[c]["default_over_off"] for c in cs]
+    ax.bar(range(len(cs)), ratios, color="tab:blue")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(0.97, color="tab:red", lw=0.8, ls="--", label="0.97")
+    ax.set_xticks(range(len(cs)), [f"{c} concurrent" for c in cs])
+    ax.set_ylabel("default / speculation off (tokens/s, median of waves)")
+    ax.set_title("shipped demo.yaml, fresh server, held-out prompts")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def shipped_main(args) -> None:
+    import ray
+    import yaml
+    from ray import serve
+
+    from deployments.app import build_app
+    from tests.conftest import free_port
+
+    (app,) = yaml.safe_load(SHIPPED.read_text())["applications"]
+    app_args = app["args"]
+    app_args["monitoring"]["prometheus_port"] = free_port()  # the only change: free ports
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+    def deploy():
+        serve.delete(app["name"])  # a fresh application: a new core, a new policy
+        serve.run(build_app(app_args), name=app["name"], route_prefix=app["route_prefix"])
+
+    try:
+        results = asyncio.run(measure_shipped(f"http://127.0.0.1:{port}", deploy, args))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    settings = {
+        **vars(args),
+        "config": str(SHIPPED.relative_to(ROOT)),
+        "prompts": "bench.heldout.mixed",
+    }
+    path = write_result(args.name, settings, results)
+    plot_shipped(results, path.with_suffix(".png"))
+    print({c: r["default_over_off"] for c, r in results.items()})
+
+
 def plot(results: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -136,8 +288,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--min-requests", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--name", default="policy")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--shipped", action="store_true", help="the shipped config, fresh")
+    parser.add_argument("--waves", type=int, default=5, help="--shipped: pairs of waves")
+    parser.add_argument("--heldout-prompts", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.shipped:
+        if args.concurrency == [1, 4, 16, 32]:
+            args.concurrency = [1, 4, 16, 32, 64]
+        args.min_requests = max(args.min_requests, 8)
+        args.name = args.name or "policy_shipped"
+        shipped_main(args)
+        return
+    args.name = args.name or "policy"
 
     import ray
     from ray import serve
