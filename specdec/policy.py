@@ -198,6 +198,11 @@ class _Costs:
     rounds: int = 0  # rounds planned in this bucket
     forced: int | None = None  # the k a measurement runs at
     forced_left: int = 0
+    # Rounds between re-measurements: doubles while the bucket's choice stays k = 0 (a
+    # forced k > 0 round there costs a resumed draft and a slow round for nothing new),
+    # back to ``remeasure_every`` once a k > 0 is chosen in it.
+    remeasure_every: int = 0
+    chose_k: bool = False  # the last choice made for this bucket was some k > 0
 
 
 class SpeculationLength:
@@ -217,6 +222,10 @@ class SpeculationLength:
       bucket of ``b`` whose longest draft was k (verification, waiting for drafts and
       every overhead: what the pipeline really costs, overlap and contention included),
       interpolated linearly in k between measured lengths.
+
+    Speculation must beat plain decoding by ``min_gain`` (predicted) to be chosen: near
+    break-even the estimates' noise, and the cores the draft takes from the frontend (not
+    on the core's critical path, so not in T), would make it a loss as often as a gain.
 
     Rounds are measured as they come; in each bucket a few rounds are run at each of
     ``k = 0``, 1 and ``max_k`` first (every policy-driven row of the round at that k,
@@ -243,6 +252,8 @@ class SpeculationLength:
         probe_every: int = 128,
         probe_rounds: int = 4,
         probe_k: int = 1,
+        min_gain: float = 0.1,
+        max_remeasure_every: int = 2048,
     ):
         default_k = max_k if default_k is None else default_k
         if not 0 <= default_k <= max_k or probe_every < probe_rounds or explore_rounds < 1:
@@ -254,6 +265,10 @@ class SpeculationLength:
         self.explore_rounds, self.remeasure_every = explore_rounds, remeasure_every
         self.probe_every, self.probe_rounds = probe_every, probe_rounds
         self.probe_k = min(max(1, probe_k), max(1, max_k))
+        self.min_gain, self.max_remeasure_every = (
+            min_gain,
+            max(remeasure_every, max_remeasure_every),
+        )
         # The lengths every bucket measures: the two ends and one draft token.
         self.anchors = sorted({0, min(1, max_k), max_k})
         self._domains: dict[str, _Domain] = {}
@@ -308,6 +323,8 @@ class SpeculationLength:
         runs at this round when it is a cost measurement, else None."""
         self._round += 1
         c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
+        if not c.remeasure_every:
+            c.remeasure_every = self.remeasure_every
         c.rounds += 1
         if c.forced_left <= 0:
             c.forced = None
@@ -322,8 +339,15 @@ class SpeculationLength:
                     c.count.get(k, 0) < self.explore_rounds
                     and c.tries.get(k, 0) < 2 * self.explore_rounds
                 )
-                or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > self.remeasure_every
+                or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
             ]
+            if stale and all(c.count.get(k, 0) >= self.explore_rounds for k in self.anchors):
+                # A re-measurement (exploration is over): back off while nothing pays here.
+                c.remeasure_every = (
+                    min(2 * c.remeasure_every, self.max_remeasure_every)
+                    if not c.chose_k
+                    else self.remeasure_every
+                )
             if stale:
                 c.forced = stale[0]
                 # Two rounds at least: the first after a change of k may be unrepresentative
@@ -358,7 +382,7 @@ class SpeculationLength:
         t0 = self.round_time(batch_size, 0)
         if alpha is None or t0 is None:
             return self.default_k
-        best, best_rate = 0, 1.0 / t0
+        best, best_rate = 0, (1.0 + self.min_gain) / t0  # speculation must clearly pay
         for k in range(1, self.max_k + 1):
             t = self.round_time(batch_size, k)
             if t is None:
@@ -366,6 +390,7 @@ class SpeculationLength:
             rate = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k)) / t
             if rate > best_rate:
                 best, best_rate = k, rate
+        self._costs[batch_bucket(batch_size)].chose_k = best > 0
         return best
 
     def choose(

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from specdec.policy import SpeculationLength, SpeculationWidth, batch_bucket
-from specdec.speedup import best_k
+from specdec.speedup import best_k, expected_tokens_per_round
 
 
 def run_rounds(policy, num_seqs, rounds, rate_on, rate_off, tokens=4):
@@ -279,3 +279,45 @@ def test_drafts_per_row_interpolates_between_measured_lengths():
     assert policy.drafts_per_row(1, 12) == pytest.approx(3.2)
     assert policy.drafts_per_row(1, 6) == pytest.approx(1.0 + 2.2 * 5 / 11)
     assert policy.drafts_per_row(1, 2) <= 2.0
+
+
+@pytest.mark.parametrize("min_gain", [0.1, 0.0])
+def test_speculation_near_break_even_is_not_chosen(min_gain):
+    """Predicted 5 % faster is inside the estimates' noise (and the frontend's cores the
+    draft takes are not in the round time): the policy stays at k = 0 unless speculation
+    clearly pays. The twin without the margin speculates."""
+    policy = SpeculationLength(max_k=4, default_k=4, min_gain=min_gain)
+    alpha = 0.7
+    for k in range(5):  # every k predicted at 1.05x the tokens/s of k = 0
+        t = expected_tokens_per_round(alpha, k) / 1.05 if k else 1.0
+        for _ in range(4):
+            policy.observe_round_time(16, k, t)
+    _feed(policy, "d", alpha, 2000)
+    assert (policy.predicted_k("d", 16) == 0) == (min_gain > 0)
+    policy.observe_round_time(1, 0, 1.0)  # a clear win (2x) is still taken
+    for k in range(1, 5):
+        policy.observe_round_time(1, k, expected_tokens_per_round(alpha, k) / 2.0)
+    assert policy.predicted_k("d", 1) > 0
+
+
+@pytest.mark.parametrize("backoff", [True, False])
+def test_remeasurement_backs_off_while_no_k_pays(backoff):
+    """Where k = 0 wins, each forced k > 0 measurement is a slow round (and a draft
+    resumed for nothing): their spacing doubles while nothing pays, so they cost far fewer
+    rounds over a long run than at a fixed interval (the twin)."""
+    policy = SpeculationLength(
+        max_k=4, default_k=4, remeasure_every=256, max_remeasure_every=4096 if backoff else 256
+    )
+    _feed(policy, "d", 0.5, 1000)
+    forced = 0
+    for _ in range(20_000):
+        f = policy.plan_round(16)
+        k = policy.choose("d", 16, forced=f)
+        f = f is not None and f > 0
+        forced += bool(f)  # rounds forced to a k > 0 (k = 0 measurements cost nothing)
+        policy.observe_round_time(16, k, 1.0 + 0.5 * k)  # no k pays
+    assert policy.predicted_k("d", 16) == 0
+    if backoff:
+        assert forced <= 40, forced  # 20 here: exploration and 5 re-measurements
+    else:
+        assert forced >= 120, forced  # 160 here: every 256 rounds
