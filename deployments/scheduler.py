@@ -202,5 +202,9 @@ class Scheduler:
         if not resuming:
             # The drafts each row asked to draft really got (0 for one whose drafts never
             # came): what a round planned at ``planned`` delivers, confidence stops included.
-            got = sum(o[1] for o in outcomes) / asked if asked else None
-            self.policy.observe_round_time(batch_size, planned, total_s, got)
+            got = tokens = None
+            if asked:
+                got = sum(o[1] for o in outcomes) / asked
+                # accepted + 1 per row that got drafts; 1 per row whose drafts never came
+                tokens = (sum(o[2] + 1 for o in outcomes) + asked - len(outcomes)) / asked
+            self.policy.observe_round_time(batch_size, planned, total_s, got, tokens)

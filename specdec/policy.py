@@ -191,6 +191,10 @@ class _Costs:
     # draft that stops where it is unsure (draft_confidence_threshold) or a draft that
     # timed out gives fewer than k, and E(α, k) must count the drafts that were made.
     drafted: dict[int, float] = field(default_factory=dict)
+    # k -> decayed mean of the tokens a drafting row committed in those rounds: what the
+    # formula's E(α̂, drafts) predicts, measured (the mean of drafts hides that rows stop
+    # at different lengths, and E is concave in them); E is capped at it.
+    tokens: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
     last: dict[int, int] = field(default_factory=dict)  # k -> round of its last measurement
     tries: dict[int, int] = field(default_factory=dict)  # k -> rounds forced to measure it
@@ -286,12 +290,17 @@ class SpeculationLength:
         d.rejections = self.decay * d.rejections + (1.0 if accepted < drafted else 0.0)
 
     def observe_round_time(
-        self, batch_size: int, k: int, seconds: float, drafted: float | None = None
+        self,
+        batch_size: int,
+        k: int,
+        seconds: float,
+        drafted: float | None = None,
+        tokens: float | None = None,
     ) -> None:
         """An engine round over ``batch_size`` rows planned at ``k`` drafts (the longest
         asked for) took ``seconds`` on the critical path (drafts waited for, verification,
         overhead); ``drafted``: the mean number of drafts its drafting rows really got
-        (None: k each)."""
+        (None: k each); ``tokens``: the mean tokens those rows committed (None: unknown)."""
         if seconds <= 0 or not 0 <= k <= self.max_k:
             return
         c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
@@ -299,6 +308,8 @@ class SpeculationLength:
         if k > 0:
             got = float(k) if drafted is None else min(float(k), max(0.0, drafted))
             c.drafted[k] = self._decayed(c.drafted.get(k), got)
+            if tokens is not None:
+                c.tokens[k] = self._decayed(c.tokens.get(k), min(tokens, k + 1.0))
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
 
@@ -376,6 +387,14 @@ class SpeculationLength:
         got = None if c is None or k == 0 else _interpolate(c.drafted, k)
         return float(k) if got is None else min(float(k), got)
 
+    def tokens_per_row(self, alpha: float, batch_size: int, k: int) -> float:
+        """Tokens a row commits per round at k: ``E(α, drafts it gets)``, at most what
+        drafting rows of the bucket were measured to commit at k."""
+        e = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k))
+        c = self._costs.get(batch_bucket(batch_size))
+        measured = None if c is None else _interpolate(c.tokens, k)
+        return e if measured is None else min(e, max(1.0, measured))
+
     def predicted_k(self, domain: str, batch_size: int) -> int:
         """The goodput-maximising k from what is measured (``default_k`` until then)."""
         alpha = self.alpha(domain)
@@ -387,7 +406,7 @@ class SpeculationLength:
             t = self.round_time(batch_size, k)
             if t is None:
                 continue
-            rate = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k)) / t
+            rate = self.tokens_per_row(alpha, batch_size, k) / t
             if rate > best_rate:
                 best, best_rate = k, rate
         self._costs[batch_bucket(batch_size)].chose_k = best > 0

@@ -321,3 +321,23 @@ def test_remeasurement_backs_off_while_no_k_pays(backoff):
         assert forced <= 40, forced  # 20 here: exploration and 5 re-measurements
     else:
         assert forced >= 120, forced  # 160 here: every 256 rounds
+
+
+@pytest.mark.parametrize("report_tokens", [True, False])
+def test_the_formula_is_capped_by_the_tokens_rows_really_committed(report_tokens):
+    """Rows stop drafting at different lengths: half get 4 drafts, half none, so the mean
+    is 2 drafts and E(0.9, 2) = 2.71 tokens, but the rows commit (4.10 + 1) / 2 = 2.55 on
+    average at most, here 1.6 measured. At a round time of 2x a plain round that loses; the
+    twin that trusts the formula alone speculates."""
+    policy = SpeculationLength(max_k=4, default_k=4, min_gain=0.0)
+    for _ in range(4):
+        policy.observe_round_time(16, 0, 1.0)
+        for k in range(1, 5):
+            policy.observe_round_time(
+                16, k, 2.0, 2.0 if k >= 2 else 1.0, 1.6 if report_tokens else None
+            )
+    _feed(policy, "d", 0.9, 2000)
+    assert policy.tokens_per_row(0.9, 16, 4) == pytest.approx(
+        1.6 if report_tokens else 2.71, abs=0.01
+    )
+    assert (policy.predicted_k("d", 16) == 0) == report_tokens
