@@ -8,11 +8,13 @@ on exactly the text returned here; this module only shapes it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -23,6 +25,7 @@ from deployments.engine import (
     EngineOverloadedError,
     InvalidRequestError,
     RequestOutput,
+    RequestStats,
     SpecEngine,
 )
 from deployments.protocol import (
@@ -363,135 +366,239 @@ class OpenAIServing:
     def _public(acc: dict[str, list]) -> dict[str, list]:
         return {k: v for k, v in acc.items() if not k.startswith("_")}
 
-    async def create(self, req, chat: bool, headers: Mapping[str, str] | None = None):
-        self.check_ready()  # before anything reads the target's facts
+    def _prompts(self, req, chat: bool) -> list[tuple[list[int], str]]:
+        """``(prompt ids, echoed text)`` per prompt: one for chat; for completions a text,
+        a token list, or a batch of either (one choice per prompt, as lm-eval sends)."""
         if chat:
-            prompt_ids = self.encode_chat(req)
-            echo = ""
-        else:
-            prompt_ids = self.encode_prompt(req.prompt)
+            return [(self.encode_chat(req), "")]
+        batch = req.prompt if _is_batch(req.prompt) else [req.prompt]
+        if not batch:
+            raise bad_request("prompt must not be empty", "invalid_value", "prompt")
+        if len(batch) > MAX_CHOICES:
+            raise bad_request(
+                f"at most {MAX_CHOICES} prompts per request", "invalid_value", "prompt"
+            )
+        out = []
+        for prompt in batch:
+            ids = self.encode_prompt(prompt)
             echo = ""
             if req.echo:
-                if isinstance(req.prompt, str):
-                    echo = req.prompt
+                if isinstance(prompt, str):
+                    echo = prompt
                 elif self.tokenizer is not None:
-                    echo = self.tokenizer.decode(req.prompt)
+                    echo = self.tokenizer.decode(prompt)
                 else:
                     raise bad_request(
                         "echo needs a tokenizer to turn token ids into text",
                         "invalid_value",
                         "echo",
                     )
-        params = self.sampling_params(req, len(prompt_ids), chat)
+            out.append((ids, echo))
+        return out
+
+    async def create(self, req, chat: bool, headers: Mapping[str, str] | None = None):
+        self.check_ready()  # before anything reads the target's facts
+        prompts = self._prompts(req, chat)
+        n = req.n or 1
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(
+                f"{len(prompts)} prompt(s) x n = {n} asks for {len(prompts) * n} choices; "
+                f"at most {MAX_CHOICES} per request",
+                "invalid_value",
+                "n" if n > 1 else "prompt",
+            )
         args = self.speculation_args(req)
         args["domain"] = self.domains.resolve(req.user, req.metadata, headers)
         args["operation"] = "chat" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = self._run(prompt_ids, params, args)
-        try:  # start before the response does, so that errors become proper statuses
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
+        choices = []
+        for p, (prompt_ids, echo) in enumerate(prompts):
+            params = self.sampling_params(req, len(prompt_ids), chat)
+            for j in range(n):
+                # Choice j of a seeded request draws from seed + j: n copies of one draw
+                # would not be n samples.
+                seeded = (
+                    params
+                    if params.seed is None or j == 0
+                    else replace(params, seed=(params.seed + j) % 2**63)
+                )
+                choices.append(_Choice(p * n + j, prompt_ids, seeded, echo, p))
+        await self._start(choices, args)  # errors before the response become statuses
         if req.stream:
             return StreamingResponse(
-                self._events(req, rid, gen, first, prompt_ids, params, args, chat, echo),
+                self._events(req, rid, choices, args, chat, len(prompts)),
                 media_type="text/event-stream",
             )
-        return await self._whole(req, rid, gen, first, prompt_ids, params, args, chat, echo)
+        return await self._whole(rid, choices, args, chat)
 
-    async def _whole(self, req, rid, gen, first, prompt_ids, params, args, chat, echo):
-        text, last = echo, first
+    async def _start(self, choices: list[_Choice], args: dict[str, Any]) -> None:
+        """Start every choice's sequence at once and wait for its first output; if one
+        fails, the others are closed (their sequences freed) and its error is raised."""
+
+        async def start(c: _Choice) -> None:
+            c.gen = self._run(c.prompt_ids, c.params, args)
+            try:
+                c.first = await c.gen.__anext__()
+            except StopAsyncIteration:
+                c.first = None
+
+        results = await asyncio.gather(*(start(c) for c in choices), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(
+                *(c.gen.aclose() for c in choices if c.gen is not None), return_exceptions=True
+            )
+            raise errors[0]
+
+    async def _collect(self, c: _Choice, chat: bool) -> tuple[dict[str, Any], Any]:
+        """One choice of a non-streamed response, and its last output."""
+        text, last = c.echo, c.first
         chat_lps: list[dict[str, Any]] = []
-        comp_lps = self.new_completion_logprobs(len(echo))
-        out = first
+        comp_lps = self.new_completion_logprobs(len(c.echo))
+        out = c.first
         try:
             while out is not None:
                 last = out
-                if params.logprobs is not None:
+                if c.params.logprobs is not None:
                     if chat:
                         chat_lps += self.chat_logprobs(out)
                     else:
                         self.completion_logprobs(out, comp_lps)
                 text += out.text or ""
-                out = await gen.__anext__() if not out.finished else None
+                out = await c.gen.__anext__() if not out.finished else None
         except StopAsyncIteration:
             pass
         finally:
-            await gen.aclose()
-        n_out = last.num_output_tokens if last else 0
-        usage = Usage(
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=n_out,
-            total_tokens=len(prompt_ids) + n_out,
-        )
-        finish = last.finish_reason if last else "length"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+            await c.gen.aclose()
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": last.finish_reason if last else "length",
+        }
         if chat:
             choice["message"] = {"content": text}
-            if params.logprobs is not None:
+            if c.params.logprobs is not None:
                 choice["logprobs"] = {"content": chat_lps}
         else:
             choice["text"] = text
-            if params.logprobs is not None:
+            if c.params.logprobs is not None:
                 choice["logprobs"] = self._public(comp_lps)
+        return choice, last
+
+    @staticmethod
+    def _usage(choices: list[_Choice], lasts: list[Any]) -> Usage:
+        """Prompt tokens once per prompt (its n choices share it), output tokens of all."""
+        prompt = sum({c.prompt_index: len(c.prompt_ids) for c in choices}.values())
+        out = sum(last.num_output_tokens for last in lasts if last is not None)
+        return Usage(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out)
+
+    async def _whole(self, rid, choices: list[_Choice], args, chat):
+        try:
+            collected = await asyncio.gather(*(self._collect(c, chat) for c in choices))
+        finally:  # one failed: the others' sequences are freed too
+            await asyncio.gather(*(c.gen.aclose() for c in choices), return_exceptions=True)
+        lasts = [last for _, last in collected]
         response = ChatCompletionResponse if chat else CompletionResponse
         return response(
             id=rid,
             created=int(time.time()),
             model=self.model_name,
-            choices=[choice],
-            usage=usage,
-            speculation=self.report(last, args, params),
+            choices=[choice for choice, _ in collected],
+            usage=self._usage(choices, lasts),
+            speculation=self.report_many(lasts, args, choices[0].params),
         )
 
-    async def _events(self, req, rid, gen, first, prompt_ids, params, args, chat, echo):
+    def report_many(self, lasts: list[Any], args, params: SamplingParams) -> SpeculationReport:
+        """The speculation report of several choices: their counts summed."""
+        if len(lasts) == 1:
+            return self.report(lasts[0], args, params)
+        stats = RequestStats()
+        for last in lasts:
+            if last is not None:
+                for name in ("drafted", "accepted", "rounds", "cache_hits"):
+                    setattr(stats, name, getattr(stats, name) + getattr(last.stats, name))
+        total = RequestOutput("", [], True, None, 0, 0, stats)
+        return self.report(total, args, params)
+
+    async def _events(self, req, rid, choices: list[_Choice], args, chat, num_prompts):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-        def chunk(choices: list[dict], extra: dict | None = None) -> str:
+        def chunk(parts: list[dict], extra: dict | None = None) -> str:
             body = {
                 "id": rid,
                 "object": obj,
                 "created": created,
                 "model": self.model_name,
-                "choices": choices,
+                "choices": parts,
             }
             body.update(extra or {})
             return f"data: {json.dumps(body)}\n\n"
 
-        token_end = len(echo)  # where the next token's text starts (for text_offset)
+        token_end = {c.index: len(c.echo) for c in choices}  # next token's text_offset
 
-        def piece(out: RequestOutput | None, text: str):
-            nonlocal token_end
+        def piece(c: _Choice, out: RequestOutput | None, text: str):
             if chat:
-                choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
-                if params.logprobs is not None and out is not None:
-                    choice["logprobs"] = {"content": self.chat_logprobs(out)}
+                part: dict[str, Any] = {"index": c.index, "delta": {"content": text}}
+                if c.params.logprobs is not None and out is not None:
+                    part["logprobs"] = {"content": self.chat_logprobs(out)}
             else:
-                choice = {"index": 0, "text": text, "logprobs": None}
-                if params.logprobs is not None and out is not None:
-                    part = self.completion_logprobs(out, self.new_completion_logprobs(token_end))
-                    token_end = part["_end"]
-                    choice["logprobs"] = self._public(part)
-            choice["finish_reason"] = None
-            return choice
+                part = {"index": c.index, "text": text, "logprobs": None}
+                if c.params.logprobs is not None and out is not None:
+                    lps = self.completion_logprobs(
+                        out, self.new_completion_logprobs(token_end[c.index])
+                    )
+                    token_end[c.index] = lps["_end"]
+                    part["logprobs"] = self._public(lps)
+            part["finish_reason"] = None
+            return part
 
-        if chat:
-            role = {"role": "assistant", "content": ""}
-            yield chunk([{"index": 0, "delta": role, "finish_reason": None}])
-        if echo:
-            yield chunk([piece(None, echo)])
-        last, out = first, first
+        def end(c: _Choice, last) -> str:
+            done = {"index": c.index, "finish_reason": last.finish_reason if last else "length"}
+            done.update({"delta": {}} if chat else {"text": "", "logprobs": None})
+            report = self.report(last, args, c.params).model_dump()
+            return chunk([done], {"speculation": report})
+
+        # Each choice's outputs are pumped into one queue, so choices stream as they come.
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
+            out = c.first
+            try:
+                while out is not None:
+                    await queue.put((c, out))
+                    out = await c.gen.__anext__() if not out.finished else None
+            except StopAsyncIteration:
+                pass
+            except Exception as exc:
+                await queue.put((c, exc))
+                return
+            await queue.put((c, None))
+
+        lasts: dict[int, Any] = {c.index: c.first for c in choices}
+        tasks: list[asyncio.Task] = []
         try:
-            while out is not None:
-                last = out
-                text = out.text or ""
-                if text or out.logprobs:
-                    yield chunk([piece(out, text)])
-                out = await gen.__anext__() if not out.finished else None
-        except StopAsyncIteration:
-            pass
+            if chat:
+                role = {"role": "assistant", "content": ""}
+                for c in choices:
+                    yield chunk([{"index": c.index, "delta": role, "finish_reason": None}])
+            for c in choices:
+                if c.echo:
+                    yield chunk([piece(c, None, c.echo)])
+            tasks = [asyncio.create_task(pump(c)) for c in choices]
+            open_choices = len(choices)
+            while open_choices:
+                c, item = await queue.get()
+                if item is None:
+                    open_choices -= 1
+                    yield end(c, lasts[c.index])
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                lasts[c.index] = item
+                text = item.text or ""
+                if text or item.logprobs:
+                    yield chunk([piece(c, item, text)])
         except Exception as exc:  # the response has begun: an error event, then the end
             if not isinstance(exc, APIError):
                 logger.exception("stream %s failed", rid)
@@ -501,17 +608,32 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
             return
         finally:
-            await gen.aclose()
-        n_out = last.num_output_tokens if last else 0
-        usage = {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": n_out,
-            "total_tokens": len(prompt_ids) + n_out,
-        }
-        finish = last.finish_reason if last else "length"
-        end = {"index": 0, "finish_reason": finish}
-        end.update({"delta": {}} if chat else {"text": "", "logprobs": None})
-        yield chunk([end], {"speculation": self.report(last, args, params).model_dump()})
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(c.gen.aclose() for c in choices), return_exceptions=True)
         if include_usage:
-            yield chunk([], {"usage": usage})
+            usage = self._usage(choices, list(lasts.values()))
+            yield chunk([], {"usage": usage.model_dump()})
         yield "data: [DONE]\n\n"
+
+
+MAX_CHOICES = 64  # prompts x n per request: each is a sequence of its own
+
+
+@dataclass
+class _Choice:
+    """One choice of a response: a prompt's sequence (its n-th sample when n > 1)."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str
+    prompt_index: int
+    gen: Any = None  # the engine's output stream, once started
+    first: RequestOutput | None = None
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (texts or token lists), not one token-list prompt."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)

@@ -20,6 +20,7 @@ from specdec.sampling import MAX_LOGPROBS
 
 TokenId = Annotated[int, Strict()]  # `true` is not token 1
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
 
 
 class SpeculationOptions(_Strict):
@@ -76,7 +77,11 @@ class _SamplingFields(_Strict):
         "(not included in it).",
     )
     n: int | None = Field(
-        default=1, ge=1, le=1, description="Choices per prompt; only 1 is supported."
+        default=1,
+        ge=1,
+        le=MAX_N,
+        description=f"Choices per prompt (up to {MAX_N}; at most 64 choices per request). "
+        "Choice j of a seeded request samples with seed + j.",
     )
     stream: bool | None = Field(default=False, description="Stream Server-Sent Events.")
     stream_options: StreamOptions | None = Field(
@@ -135,7 +140,11 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[TokenId] = Field(description="Prompt text, or a list of token ids.")
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        description="Prompt text or a list of token ids; or a batch of either (a list of "
+        "texts or of token-id lists, up to 64): one choice per prompt, choice index = "
+        "prompt index x n + sample."
+    )
     echo: bool | None = Field(default=False, description="Return the prompt before the completion.")
     logprobs: int | None = Field(
         default=None,

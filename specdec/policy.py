@@ -207,6 +207,10 @@ class _Costs:
     # back to ``remeasure_every`` once a k > 0 is chosen in it.
     remeasure_every: int = 0
     chose_k: bool = False  # the last choice made for this bucket was some k > 0
+    remeasures: int = 0  # re-measurements started (after the first exploration)
+    # Lengths being re-measured: their next observation replaces what was known (a decayed
+    # mean would keep most of a stale or cold-start estimate after a few rounds).
+    fresh: set[int] = field(default_factory=set)
 
 
 class SpeculationLength:
@@ -304,6 +308,10 @@ class SpeculationLength:
         if seconds <= 0 or not 0 <= k <= self.max_k:
             return
         c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
+        if k in c.fresh:
+            c.fresh.discard(k)
+            for by_k in (c.seconds, c.drafted, c.tokens):
+                by_k.pop(k, None)
         c.seconds[k] = self._decayed(c.seconds.get(k), seconds)
         if k > 0:
             got = float(k) if drafted is None else min(float(k), max(0.0, drafted))
@@ -352,18 +360,25 @@ class SpeculationLength:
                 )
                 or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
             ]
-            if stale and all(c.count.get(k, 0) >= self.explore_rounds for k in self.anchors):
-                # A re-measurement (exploration is over): back off while nothing pays here.
+            remeasure = bool(stale) and c.count.get(stale[0], 0) >= self.explore_rounds
+            if remeasure:
+                c.remeasures += 1
+                # Back off while nothing pays here, once two re-measurements agreed that the
+                # first exploration (cold caches, a fresh server) was not a fluke.
                 c.remeasure_every = (
                     min(2 * c.remeasure_every, self.max_remeasure_every)
-                    if not c.chose_k
+                    if not c.chose_k and c.remeasures > 2
                     else self.remeasure_every
                 )
             if stale:
                 c.forced = stale[0]
                 # Two rounds at least: the first after a change of k may be unrepresentative
-                # (the engine does not report it: rows resuming drafting prefill first).
+                # (the engine does not report it: rows resuming drafting prefill first). A
+                # re-measurement runs a whole exploration's rounds and replaces the old data.
                 c.forced_left = max(2, self.explore_rounds - c.count.get(c.forced, 0))
+                if remeasure:
+                    c.forced_left = self.explore_rounds + 1
+                    c.fresh.add(c.forced)
                 c.tries[c.forced] = c.tries.get(c.forced, 0) + c.forced_left
                 c.tries_at[c.forced] = c.rounds
         if c.forced is None:

@@ -121,6 +121,42 @@ def test_stop_token_ids_and_ignore_eos_as_benchmark_clients_send_them(base_url, 
     assert choice["text"] == tokenizer.decode(ref[: j + 1], skip_special_tokens=True)
 
 
+def test_a_batch_of_prompts_and_n_choices_as_lm_eval_and_samplers_send_them(base_url, tokenizer):
+    """``prompt`` as a list of token lists (lm-eval) or texts: one choice per prompt, in
+    order, each what the prompt alone gives; ``n`` samples per prompt (index = prompt x n +
+    j), seeded choice j from seed + j; streamed choices carry their index."""
+    texts = ["def add(a, b):\n", "import sys\n", "class Stack:\n"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    greedy = {"model": MODEL, "max_tokens": 12, "temperature": 0}
+    alone = [post(base_url, "/v1/completions", {**greedy, "prompt": p}).json() for p in ids]
+    for batch in (ids, texts):
+        r = post(base_url, "/v1/completions", {**greedy, "prompt": batch})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in body["choices"]] == [a["choices"][0]["text"] for a in alone]
+        assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+        assert body["usage"]["completion_tokens"] == sum(
+            a["usage"]["completion_tokens"] for a in alone
+        )
+    sampled = {"model": MODEL, "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 3}
+    r = post(base_url, "/v1/completions", {**sampled, "prompt": [ids[0], ids[1]]}).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    seeds = [
+        post(base_url, "/v1/completions", {**sampled, "n": 1, "seed": 5 + j, "prompt": ids[1]})
+        for j in range(3)
+    ]
+    assert [c["text"] for c in r["choices"][3:]] == [s.json()["choices"][0]["text"] for s in seeds]
+    assert len({c["text"] for c in r["choices"][:3]}) > 1  # n samples, not n copies
+    events = post(base_url, "/v1/completions", {**sampled, "prompt": ids[0], "stream": True})
+    streamed: dict[int, str] = {}
+    for line in events.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == {c["index"]: c["text"] for c in r["choices"][:3]}
+
+
 def test_streamed_text_equals_non_streamed_for_same_seed(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0.8, seed=1234)
     whole = client.completions.create(**kw).choices[0].text
@@ -200,7 +236,12 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"model": MODEL, "prompt": 42}, "prompt"),
     ({"model": "gpt-9", "prompt": "hi"}, "model"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, "n"),
+    ({"model": MODEL, "prompt": ["a", "b", "c", "d", "e"], "n": 16}, "n"),
+    ({"model": MODEL, "prompt": ["hi"] * 65}, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 2], []]}, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 2], "x"]}, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 999999]]}, "prompt"),
     ({"model": MODEL, "prompt": "word " * 3000, "max_tokens": 8}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "max_tokens"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
