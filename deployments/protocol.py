@@ -91,7 +91,7 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = Field(
         default=None, max_length=16, description="Free-form tags (up to 16), not interpreted."
     )
-    ignore_eos: bool | None = Field(
+    ignore_eos: Annotated[bool, Strict()] | None = Field(
         default=False,
         description="Keep generating past end-of-sequence (and chat end-of-turn) tokens: "
         "exactly max_tokens tokens unless a stop string or stop_token_ids end it first "
