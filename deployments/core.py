@@ -483,7 +483,7 @@ class EngineCore:
         found, waited = self._gather()
         seqs = list(sched.running.values())
         planned = max((seq.k_next for seq in seqs), default=0)  # the k this round costs
-        asked = sum(1 for seq in seqs if seq.k_next > 0)
+        asked = [seq.k_next for seq in seqs]  # (draft_item overwrites k_next below)
         # Rows back from a pause made the draft prefill their whole context first: this
         # round's time says what resuming costs, not what a round at ``planned`` does.
         resuming = any(seq.resuming and seq.k_next > 0 for seq in seqs)
@@ -516,12 +516,15 @@ class EngineCore:
         sched.plan_round(len(seqs), alerts)
         items, freed, outputs = [], [], []
         outcomes: list[tuple] = []  # (domain, drafted, accepted, cache hit) per drafted row
+        at_planned: list[tuple] = []  # (domain, drafted, accepted) per row asking ``planned``
         committed: list[tuple[str, int]] = []  # (domain, tokens) per row
-        for seq, row in zip(seqs, rows, strict=True):
+        for seq, row, k_asked in zip(seqs, rows, asked, strict=True):
             st = seq.state
             if st.seq_id not in results:  # failed alone (and freed)
                 continue
             tokens, a, lps = results[st.seq_id]
+            if planned and k_asked == planned:
+                at_planned.append((seq.domain, len(row.draft_token_ids), a))
             seq.base_len = len(st.prompt_token_ids) + len(st.output_token_ids)
             kept = st.append(tokens, self.eos_token_ids)
             seq.guess = tuple(tokens[:kept])
@@ -554,7 +557,7 @@ class EngineCore:
         t.draft_wait_s += waited
         t.verify_s += verify_s
         t.total_s += total_s
-        sched.observe_round(outcomes, len(seqs), planned, total_s, resuming, asked)
+        sched.observe_round(outcomes, len(seqs), planned, total_s, resuming, at_planned)
         if self._telemetry is not None:
             # The policy's snapshot costs ~10 us per domain: published at most every
             # POLICY_STATE_EVERY_S, and when the batch empties (its last word before idling).

@@ -407,6 +407,14 @@ class OpenAIServing:
                 "invalid_value",
                 "n" if n > 1 else "prompt",
             )
+        sched = self.config.engine.scheduler
+        if len(prompts) * n > sched.max_num_seqs + sched.max_waiting:
+            raise bad_request(
+                f"{len(prompts) * n} choices cannot fit this server's queue "
+                f"(max_num_seqs {sched.max_num_seqs} + max_waiting {sched.max_waiting})",
+                "invalid_value",
+                "n" if n > 1 else "prompt",
+            )
         args = self.speculation_args(req)
         args["domain"] = self.domains.resolve(req.user, req.metadata, headers)
         args["operation"] = "chat" if chat else "text_completion"
@@ -423,7 +431,7 @@ class OpenAIServing:
                     else replace(params, seed=(params.seed + j) % 2**63)
                 )
                 choices.append(_Choice(p * n + j, prompt_ids, seeded, echo, p))
-        await self._start(choices, args)  # errors before the response become statuses
+        await self._start(choices, args, wait_all=not req.stream)  # errors become statuses
         if req.stream:
             return StreamingResponse(
                 self._events(req, rid, choices, args, chat, len(prompts)),
@@ -431,24 +439,30 @@ class OpenAIServing:
             )
         return await self._whole(rid, choices, args, chat)
 
-    async def _start(self, choices: list[_Choice], args: dict[str, Any]) -> None:
-        """Start every choice's sequence at once and wait for its first output; if one
-        fails, the others are closed (their sequences freed) and its error is raised."""
-
-        async def start(c: _Choice) -> None:
+    async def _start(self, choices: list[_Choice], args: dict[str, Any], wait_all: bool) -> None:
+        """Start every choice's sequence and wait for the first output of each
+        (``wait_all``), or of the first only (a stream: the others' first outputs come
+        through the stream as their sequences are admitted), so that a refused request
+        becomes a status. On any failure, or cancellation, every sequence is freed."""
+        for c in choices:
             c.gen = self._run(c.prompt_ids, c.params, args)
+
+        async def first(c: _Choice) -> None:
             try:
                 c.first = await c.gen.__anext__()
             except StopAsyncIteration:
                 c.first = None
+            c.started = True
 
-        results = await asyncio.gather(*(start(c) for c in choices), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await asyncio.gather(
-                *(c.gen.aclose() for c in choices if c.gen is not None), return_exceptions=True
-            )
-            raise errors[0]
+        tasks = [asyncio.create_task(first(c)) for c in (choices if wait_all else choices[:1])]
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        except BaseException:
+            await _stop(tasks, choices)
+            raise
 
     async def _collect(self, c: _Choice, chat: bool) -> tuple[dict[str, Any], Any]:
         """One choice of a non-streamed response, and its last output."""
@@ -492,10 +506,11 @@ class OpenAIServing:
         return Usage(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out)
 
     async def _whole(self, rid, choices: list[_Choice], args, chat):
+        tasks = [asyncio.create_task(self._collect(c, chat)) for c in choices]
         try:
-            collected = await asyncio.gather(*(self._collect(c, chat) for c in choices))
-        finally:  # one failed: the others' sequences are freed too
-            await asyncio.gather(*(c.gen.aclose() for c in choices), return_exceptions=True)
+            collected = await asyncio.gather(*tasks)
+        finally:  # one failed (or the client left): the others stop and free their sequences
+            await _stop(tasks, choices)
         lasts = [last for _, last in collected]
         response = ChatCompletionResponse if chat else CompletionResponse
         return response(
@@ -563,7 +578,13 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: _Choice) -> None:
-            out = c.first
+            try:
+                out = c.first if c.started else await c.gen.__anext__()
+            except StopAsyncIteration:
+                out = None
+            except Exception as exc:
+                await queue.put((c, exc))
+                return
             try:
                 while out is not None:
                     await queue.put((c, out))
@@ -608,10 +629,7 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
             return
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.gather(*(c.gen.aclose() for c in choices), return_exceptions=True)
+            await _stop(tasks, choices)
         if include_usage:
             usage = self._usage(choices, list(lasts.values()))
             yield chunk([], {"usage": usage.model_dump()})
@@ -632,6 +650,18 @@ class _Choice:
     prompt_index: int
     gen: Any = None  # the engine's output stream, once started
     first: RequestOutput | None = None
+    started: bool = False  # ``first`` was awaited (a stream awaits the first choice's only)
+
+
+async def _stop(tasks: list[asyncio.Task], choices: list[_Choice]) -> None:
+    """Cancel ``tasks`` and wait for them, then close every choice's stream: closing a
+    stream aborts its sequence in the engine (closing one that never started is a no-op)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(
+        *(c.gen.aclose() for c in choices if c.gen is not None), return_exceptions=True
+    )
 
 
 def _is_batch(prompt) -> bool:

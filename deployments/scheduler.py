@@ -190,21 +190,15 @@ class Scheduler:
         planned: int,
         total_s: float,
         resuming: bool,
-        asked: int = 0,
+        at_planned: list[tuple[str, int, int]] | None = None,
     ) -> None:
         """A round ended: acceptance per domain, and (unless rows resumed, whose drafts
-        began with a prefill) what a round of ``batch_size`` rows at ``planned`` cost;
-        ``asked``: its rows that asked for drafts (``outcomes`` has those that got some)."""
+        began with a prefill) what a round of ``batch_size`` rows at ``planned`` cost and
+        delivered; ``at_planned``: ``(domain, drafts got, accepted)`` of each row that asked
+        for ``planned`` drafts (rows asking fewer say nothing of k = ``planned``)."""
         if self.policy is None:
             return
         for domain, drafted, accepted, _hit in outcomes:
             self.policy.observe_round(domain, drafted, accepted)
         if not resuming:
-            # The drafts each row asked to draft really got (0 for one whose drafts never
-            # came): what a round planned at ``planned`` delivers, confidence stops included.
-            got = tokens = None
-            if asked:
-                got = sum(o[1] for o in outcomes) / asked
-                # accepted + 1 per row that got drafts; 1 per row whose drafts never came
-                tokens = (sum(o[2] + 1 for o in outcomes) + asked - len(outcomes)) / asked
-            self.policy.observe_round_time(batch_size, planned, total_s, got, tokens)
+            self.policy.observe_round_time(batch_size, planned, total_s, at_planned)

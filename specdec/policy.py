@@ -20,6 +20,7 @@ verification also slows the target. So nothing here is assumed, it is measured:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.speedup import expected_tokens_per_round
@@ -191,10 +192,11 @@ class _Costs:
     # draft that stops where it is unsure (draft_confidence_threshold) or a draft that
     # timed out gives fewer than k, and E(α, k) must count the drafts that were made.
     drafted: dict[int, float] = field(default_factory=dict)
-    # k -> decayed mean of the tokens a drafting row committed in those rounds: what the
-    # formula's E(α̂, drafts) predicts, measured (the mean of drafts hides that rows stop
-    # at different lengths, and E is concave in them); E is capped at it.
-    tokens: dict[int, float] = field(default_factory=dict)
+    # k -> decayed ratio of the tokens those rows committed to what E(α̂ of each row's
+    # domain, the mean drafts) predicted: below 1 where the formula is optimistic (rows
+    # stop at different lengths and E is concave in them; α̂ is estimated); E is scaled
+    # by it (never up).
+    ratio: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
     last: dict[int, int] = field(default_factory=dict)  # k -> round of its last measurement
     tries: dict[int, int] = field(default_factory=dict)  # k -> rounds forced to measure it
@@ -206,8 +208,8 @@ class _Costs:
     # forced k > 0 round there costs a resumed draft and a slow round for nothing new),
     # back to ``remeasure_every`` once a k > 0 is chosen in it.
     remeasure_every: int = 0
-    chose_k: bool = False  # the last choice made for this bucket was some k > 0
-    remeasures: int = 0  # re-measurements started (after the first exploration)
+    chose_k: bool = False  # some choice in this bucket was k > 0 since the last cycle began
+    remeasures: int = 0  # re-measurement cycles started (after the first exploration)
     # Lengths being re-measured: their next observation replaces what was known (a decayed
     # mean would keep most of a stale or cold-start estimate after a few rounds).
     fresh: set[int] = field(default_factory=set)
@@ -298,26 +300,31 @@ class SpeculationLength:
         batch_size: int,
         k: int,
         seconds: float,
-        drafted: float | None = None,
-        tokens: float | None = None,
+        rows: Sequence[tuple[str, int, int]] | None = None,
     ) -> None:
         """An engine round over ``batch_size`` rows planned at ``k`` drafts (the longest
         asked for) took ``seconds`` on the critical path (drafts waited for, verification,
-        overhead); ``drafted``: the mean number of drafts its drafting rows really got
-        (None: k each); ``tokens``: the mean tokens those rows committed (None: unknown)."""
+        overhead). ``rows``: ``(domain, drafts it got, accepted)`` of each row that asked
+        for ``k`` drafts (None: every row got k, nothing more is known)."""
         if seconds <= 0 or not 0 <= k <= self.max_k:
             return
         c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
         if k in c.fresh:
             c.fresh.discard(k)
-            for by_k in (c.seconds, c.drafted, c.tokens):
+            for by_k in (c.seconds, c.drafted, c.ratio):
                 by_k.pop(k, None)
         c.seconds[k] = self._decayed(c.seconds.get(k), seconds)
         if k > 0:
-            got = float(k) if drafted is None else min(float(k), max(0.0, drafted))
+            got = float(k) if not rows else sum(min(n, k) for _, n, _ in rows) / len(rows)
             c.drafted[k] = self._decayed(c.drafted.get(k), got)
-            if tokens is not None:
-                c.tokens[k] = self._decayed(c.tokens.get(k), min(tokens, k + 1.0))
+            expected = committed = 0.0
+            for domain, _n, accepted in rows or ():
+                alpha = self.alpha(domain)
+                if alpha is not None:
+                    expected += expected_tokens_per_round(alpha, got)
+                    committed += accepted + 1
+            if expected > 0:
+                c.ratio[k] = self._decayed(c.ratio.get(k), committed / expected)
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
 
@@ -361,15 +368,13 @@ class SpeculationLength:
                 or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
             ]
             remeasure = bool(stale) and c.count.get(stale[0], 0) >= self.explore_rounds
-            if remeasure:
+            if remeasure and stale[0] == self.anchors[-1]:  # one cycle: the longest anchor
                 c.remeasures += 1
-                # Back off while nothing pays here, once two re-measurements agreed that the
-                # first exploration (cold caches, a fresh server) was not a fluke.
-                c.remeasure_every = (
-                    min(2 * c.remeasure_every, self.max_remeasure_every)
-                    if not c.chose_k and c.remeasures > 2
-                    else self.remeasure_every
-                )
+                # Back off while nothing paid here since the last cycle, once two cycles
+                # agreed that the first exploration (cold caches, a fresh server) was right.
+                if not c.chose_k and c.remeasures > 2:
+                    c.remeasure_every = min(2 * c.remeasure_every, self.max_remeasure_every)
+                c.chose_k = False
             if stale:
                 c.forced = stale[0]
                 # Two rounds at least: the first after a change of k may be unrepresentative
@@ -403,12 +408,12 @@ class SpeculationLength:
         return float(k) if got is None else min(float(k), got)
 
     def tokens_per_row(self, alpha: float, batch_size: int, k: int) -> float:
-        """Tokens a row commits per round at k: ``E(α, drafts it gets)``, at most what
-        drafting rows of the bucket were measured to commit at k."""
+        """Tokens a row commits per round at k: ``E(α, drafts it gets)``, scaled down by
+        how far the bucket's rows at k fell short of that prediction (measured)."""
         e = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k))
         c = self._costs.get(batch_bucket(batch_size))
-        measured = None if c is None else _interpolate(c.tokens, k)
-        return e if measured is None else min(e, max(1.0, measured))
+        ratio = None if c is None else _interpolate(c.ratio, k)
+        return e if ratio is None else max(1.0, e * min(1.0, ratio))
 
     def predicted_k(self, domain: str, batch_size: int) -> int:
         """The goodput-maximising k from what is measured (``default_k`` until then)."""
@@ -424,7 +429,9 @@ class SpeculationLength:
             rate = self.tokens_per_row(alpha, batch_size, k) / t
             if rate > best_rate:
                 best, best_rate = k, rate
-        self._costs[batch_bucket(batch_size)].chose_k = best > 0
+        if best > 0:  # speculation pays here: keep the costs of its rivals current
+            c = self._costs[batch_bucket(batch_size)]
+            c.chose_k, c.remeasure_every = True, self.remeasure_every
         return best
 
     def choose(
