@@ -317,7 +317,12 @@ def test_openai_client_sees_errors(client):
     assert exc.value.status_code == 400
 
 
-def test_client_disconnect_frees_sequence(base_url):
+@pytest.mark.parametrize(
+    ("extra", "choices"), [({}, 1), ({"prompt": ["def f(x):\n", "import re\n"], "n": 2}, 4)]
+)
+def test_client_disconnect_frees_sequence(base_url, extra, choices):
+    """A client that leaves mid-stream frees its sequence: every choice's, with several."""
+
     def replica_health():
         # The proxy balances /health too: ask until both replicas have answered.
         states = {}
@@ -330,6 +335,7 @@ def test_client_disconnect_frees_sequence(base_url):
 
     aborted_before = sum(s["aborted"] for s in replica_health())
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
+    body.update(extra)
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", f"{base_url}/v1/completions", json=body) as r,
@@ -341,12 +347,13 @@ def test_client_disconnect_frees_sequence(base_url):
     deadline = time.monotonic() + 30
     states = replica_health()
     while time.monotonic() < deadline and (
-        any(s["running"] for s in states) or sum(s["aborted"] for s in states) <= aborted_before
+        any(s["running"] for s in states)
+        or sum(s["aborted"] for s in states) < aborted_before + choices
     ):
         time.sleep(0.2)
         states = replica_health()
     assert all(s["running"] == 0 for s in states)
-    assert sum(s["aborted"] for s in states) == aborted_before + 1
+    assert sum(s["aborted"] for s in states) == aborted_before + choices
 
 
 @pytest.fixture(scope="module")
