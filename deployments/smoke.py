@@ -12,6 +12,16 @@ import time
 import urllib.error
 import urllib.request
 
+DEMO_PROMPT = (
+    "class Point:\n"
+    "    def __init__(self, x, y):\n"
+    "        self.x = x\n"
+    "        self.y = y\n"
+    "\n"
+    "    def __repr__(self):\n"
+    "        return"
+)
+
 
 def wait_healthy(url: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
@@ -35,7 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m deployments.smoke")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--prompt", default="def fibonacci(n):\n")
+    # What the demo pair is good at: Python in the standard library's style, continued
+    # mid-method (a 9 M-parameter model trained for minutes on a CPU; see models/README.md).
+    parser.add_argument("--prompt", default=DEMO_PROMPT)
     args = parser.parse_args()
 
     from openai import OpenAI
@@ -44,7 +56,7 @@ def main() -> None:
     wait_healthy(args.url, args.timeout)
     client = OpenAI(base_url=f"{args.url}/v1", api_key="unused")
     model = client.models.list().data[0].id
-    resp = client.completions.create(model=model, prompt=args.prompt, max_tokens=64, temperature=0)
+    resp = client.completions.create(model=model, prompt=args.prompt, max_tokens=32, temperature=0)
     print(f"healthy after {time.monotonic() - t0:.1f}s; model {model!r}")
     print("--- prompt ---")
     print(args.prompt, end="")
