@@ -308,7 +308,7 @@ class SpeculationLength:
         for ``k`` drafts (None: every row got k, nothing more is known)."""
         if seconds <= 0 or not 0 <= k <= self.max_k:
             return
-        c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
+        c = self._bucket(batch_size)
         if k in c.fresh:
             c.fresh.discard(k)
             for by_k in (c.seconds, c.drafted, c.ratio):
@@ -327,6 +327,13 @@ class SpeculationLength:
                 c.ratio[k] = self._decayed(c.ratio.get(k), committed / expected)
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
+
+    def _bucket(self, batch_size: int) -> _Costs:
+        """The cost bookkeeping of ``batch_size``'s bucket, created on first use."""
+        c = self._costs.get(batch_bucket(batch_size))
+        if c is None:
+            c = self._costs[batch_bucket(batch_size)] = _Costs(remeasure_every=self.remeasure_every)
+        return c
 
     def _decayed(self, old: float | None, new: float) -> float:
         return new if old is None else self.cost_decay * old + (1 - self.cost_decay) * new
@@ -348,9 +355,7 @@ class SpeculationLength:
         """Call once per engine round, before :meth:`choose`: the k every policy-driven row
         runs at this round when it is a cost measurement, else None."""
         self._round += 1
-        c = self._costs.setdefault(batch_bucket(batch_size), _Costs())
-        if not c.remeasure_every:
-            c.remeasure_every = self.remeasure_every
+        c = self._bucket(batch_size)
         c.rounds += 1
         if c.forced_left <= 0:
             c.forced = None
