@@ -434,7 +434,7 @@ class OpenAIServing:
         await self._start(choices, args, wait_all=not req.stream)  # errors become statuses
         if req.stream:
             return StreamingResponse(
-                self._events(req, rid, choices, args, chat, len(prompts)),
+                self._events(req, rid, choices, args, chat),
                 media_type="text/event-stream",
             )
         return await self._whole(rid, choices, args, chat)
@@ -534,7 +534,7 @@ class OpenAIServing:
         total = RequestOutput("", [], True, None, 0, 0, stats)
         return self.report(total, args, params)
 
-    async def _events(self, req, rid, choices: list[_Choice], args, chat, num_prompts):
+    async def _events(self, req, rid, choices: list[_Choice], args, chat):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = req.stream_options is not None and req.stream_options.include_usage
