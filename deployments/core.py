@@ -24,7 +24,8 @@ freed, (verify_s, round_s, tokens))``: the mean verify time, and the wall time a
 committed tokens of the round that just ended (None, 0 after an admission). An item is
 ``(seq_id, base_len, new_tokens, k, full_tokens, params)``: the sequence had ``base_len``
 committed tokens, now also ``new_tokens``; drafts of length ``k`` are wanted for round
-``round_for``. ``full_tokens``/``params`` are set when the draft
+``round_for``. ``full_tokens`` (``(prompt ids, output ids)``: penalties count the
+output apart from the prompt) and ``params`` are set when the draft
 must (re)start the sequence from scratch (new sequence, new draft, lost track).
 Pushes back (``push_drafts``): ``(round_for, [(seq_id, guess, tokens, q, speculative)])``:
 drafts for the round in which ``seq_id``'s previous round committed exactly ``guess``.
@@ -390,7 +391,10 @@ class EngineCore:
         try:
             for sid, prompt, output, params, k, domain, auto in batch:
                 state = SequenceState(
-                    sid, list(prompt), SamplingParams(**params), device=self.runner.device
+                    sid,
+                    list(prompt),
+                    SamplingParams(**params).with_stops(self.eos_token_ids),
+                    device=self.runner.device,
                 )
                 state.output_token_ids = list(output)
                 self.runner.add(sid)
@@ -408,6 +412,7 @@ class EngineCore:
                         seqs[i].state.verify_generator_at(len(seqs[i].state.prompt_token_ids))
                         for i in fresh
                     ],
+                    [(seqs[i].state.prompt_token_ids, ()) for i in fresh],
                 )
                 if fresh
                 else []
@@ -497,7 +502,16 @@ class EngineCore:
             gen = seq.state.verify_generator_at(
                 len(seq.state.prompt_token_ids) + len(seq.state.output_token_ids)
             )
-            rows.append(VerifyRow(seq.state.params, tokens, q, gen))
+            rows.append(
+                VerifyRow(
+                    seq.state.params,
+                    tokens,
+                    q,
+                    gen,
+                    seq.state.prompt_token_ids,
+                    seq.state.output_token_ids,
+                )
+            )
             feeds.append([seq.state.last_token_id, *tokens])
             if k:
                 seq.stats[0] += k

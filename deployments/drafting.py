@@ -59,7 +59,8 @@ class DraftRounds:
                 if full is not None:
                     if sid not in drafter.seqs and not drafter.has_room():
                         raise RuntimeError("the draft's KV budget has no slot for it")
-                    drafter.add(sid, full, SamplingParams(**params))
+                    prompt, output = full
+                    drafter.add(sid, [*prompt, *output], SamplingParams(**params), len(prompt))
                 elif drafter.length(sid) != base_len:
                     lost.append((sid, None, None, None, False))
                     continue
@@ -90,7 +91,7 @@ class DraftRounds:
                 seq = self.drafter.seqs[sid]
                 tokens, params = list(seq.token_ids), seq.params
                 self.drafter.free(sid)
-                self.drafter.add(sid, tokens, params)
+                self.drafter.add(sid, tokens, params, len(seq.prompt_token_ids))
                 done.append((sid, self.drafter.propose([sid], [k])[0]))
             except Exception as exc:
                 lost.append(self.give_up(sid, exc))

@@ -234,6 +234,13 @@ class OpenAIServing:
                 "context_length_exceeded",
                 field,
             )
+        min_tokens = req.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({min_tokens}) must be <= {field} ({max_tokens})",
+                "invalid_value",
+                "min_tokens",
+            )
         vocab = self.engine.target_info["vocab_size"]
         stop_ids = list(req.stop_token_ids or [])
         if any(not 0 <= t < vocab for t in stop_ids):
@@ -257,6 +264,10 @@ class OpenAIServing:
             stop_token_ids=tuple(stop_ids),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            min_tokens=min_tokens,
         )
 
     def speculation_args(self, req) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Field names and meanings follow the OpenAI API so the official client works unch
 ``speculation`` is SpecServe's extension for per-request control and reporting.
 
 Unknown fields are refused (400 naming the field), and so are known OpenAI fields that
-SpecServe does not implement unless they carry their neutral value (a penalty of 0, an
+SpecServe does not implement unless they carry their neutral value (an
 empty ``logit_bias``, ``response_format`` text, no tools): a client must never get a
 200 for something that was silently not done.
 """
@@ -37,12 +37,6 @@ class StreamOptions(_Strict):
         default=False,
         description="Send a last chunk with `choices: []` and the request's usage.",
     )
-
-
-def _neutral(name: str, value: Any, neutral: tuple) -> Any:
-    if value not in neutral:
-        raise ValueError(f"{name} is not supported by this server (only {neutral[0]!r})")
-    return value
 
 
 def _empty_only(what: str):
@@ -104,26 +98,36 @@ class _SamplingFields(_Strict):
         f"{MAX_STOP_TOKEN_IDS}.",
     )
     repetition_penalty: float | None = Field(
-        default=1.0, description="Not supported yet: only 1 (no penalty) or null."
+        default=1.0,
+        gt=0.0,
+        le=2.0,
+        description="Divide positive (multiply negative) logits of tokens already in the "
+        "prompt or output by this; 1 or null: none.",
     )
-    frequency_penalty: float | None = Field(default=0.0, description="Not supported: only 0.")
-    presence_penalty: float | None = Field(default=0.0, description="Not supported: only 0.")
+    frequency_penalty: float | None = Field(
+        default=0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtract this times a token's count in the output from its logit.",
+    )
+    presence_penalty: float | None = Field(
+        default=0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtract this from the logit of every token present in the output.",
+    )
+    min_tokens: int | None = Field(
+        default=0,
+        ge=0,
+        description="No EOS (unless ignore_eos) or stop_token_ids before this many tokens "
+        "(stop strings still end the text).",
+    )
     logit_bias: dict[str, float] | None = Field(
         default=None, description="Not supported: only null, {} or biases of 0."
     )
     speculation: SpeculationOptions | None = Field(
         default=None, description="SpecServe extension: per-request speculation control."
     )
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None, info) -> float | None:
-        return _neutral(info.field_name, v, (0.0, None))
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, v: float | None) -> float | None:
-        return _neutral("repetition_penalty", v, (1.0, None))
 
     @field_validator("logit_bias")
     @classmethod

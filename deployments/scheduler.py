@@ -142,7 +142,8 @@ class Scheduler:
         if seq.synced:
             return (st.seq_id, seq.base_len, list(seq.guess), seq.k_next, None, None)
         seq.synced = True
-        return (st.seq_id, 0, list(seq.guess), seq.k_next, st.token_ids, asdict(st.params))
+        full = (list(st.prompt_token_ids), list(st.output_token_ids))
+        return (st.seq_id, 0, list(seq.guess), seq.k_next, full, asdict(st.params))
 
     def full_items(self) -> list[tuple]:
         """Every drafted sequence in full, for a draft that knows none of them."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.penalties import apply_history
 from specdec.proposers import Proposer
 from specdec.qcodec import dequantize_q
 from specdec.rejection import rejection_sample
@@ -63,6 +64,7 @@ class GenerationResult:
 def _start(runner: ModelRunner, seq: SequenceState, eos: int | None) -> None:
     """Prefill the prompt and commit the first token, sampled from the target alone."""
     logits = runner.prefill([seq.seq_id], [seq.prompt_token_ids])  # [1, vocab]
+    logits = apply_history(logits, seq.params, seq.prompt_token_ids, ())
     first = sample(probs_for([seq.params], logits), [seq.verify_generator_at(len(seq.token_ids))])
     seq.append([int(first[0])], eos)
 
@@ -80,11 +82,13 @@ def generate_autoregressive(
     seq_id: str = "ar",
 ) -> GenerationResult:
     """Plain decoding with the target: one forward pass per token."""
+    params = params.with_stops(eos_token_id)
     seq = SequenceState(seq_id, list(prompt_token_ids), params, device=target.device)
     try:
         _start(target, seq, eos_token_id)
         while not seq.finished:
             logits = target.forward([seq_id], [[seq.last_token_id]])[0]  # [1, vocab]
+            logits = apply_history(logits, params, seq.prompt_token_ids, seq.output_token_ids)
             gen = seq.verify_generator_at(len(seq.token_ids))
             token = sample(probs_for([params], logits), [gen])
             seq.append([int(token[0])], eos_token_id)
@@ -103,6 +107,7 @@ def generate_speculative(
     seq_id: str = "sd",
 ) -> GenerationResult:
     """Speculative decoding: propose k, verify k + 1 positions in one pass, keep a prefix."""
+    params = params.with_stops(eos_token_id)
     seq = SequenceState(seq_id, list(prompt_token_ids), params, device=target.device)
     rounds: list[RoundStats] = []
     try:
@@ -117,6 +122,10 @@ def generate_speculative(
             drafts = proposal.draft_token_ids[0, :n].tolist()
             cached = target.length(seq_id)
             logits = target.forward([seq_id], [[seq.last_token_id, *drafts]])[0]  # [n + 1, vocab]
+            # Position j given the output and drafts 0..j-1 (specdec.penalties).
+            logits = apply_history(
+                logits, params, seq.prompt_token_ids, seq.output_token_ids, drafts
+            )
             p = probs_for([params], logits[None])  # [1, n + 1, vocab]
             q = proposal.q(0) if proposal.kind == "probs" else None  # [k, draft vocab] or None
             q = None if q is None else dequantize_q(q[None, :n])  # [1, n, draft vocab] float32

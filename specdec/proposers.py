@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import dequantize_q, quantize_q
 from specdec.rejection import ProposalKind
 from specdec.runner import ModelRunner
@@ -183,12 +184,25 @@ class DraftModelProposer(Proposer):
         top_p = torch.zeros(batch, k, top_m, device=dev) if top_m else None
         feed = [self._sync(s) for s in seqs]
         active = list(range(batch))  # rows still drafting
+        # Rows with history-dependent processing: their drafts so far.
+        history: dict[int, list[int]] = {r: [] for r in active if needs_history(params[r])}
         for i in range(k):
             if should_stop is not None and should_stop():
                 return None
             rows = slice(None) if len(active) == batch else torch.tensor(active, device=dev)
             logits = self._logits([ids[r] for r in active], [feed[r] for r in active])
             # logits: [active, vocab_limit]
+            if history:  # penalties / min_tokens given the output and the drafts so far
+                logits = logits.float().clone()
+                for j, r in enumerate(active):
+                    if r in history:
+                        s = seqs[r]
+                        logits[j] = apply_history(
+                            logits[j : j + 1],
+                            params[r],
+                            s.prompt_token_ids,
+                            [*s.output_token_ids, *history[r]],
+                        )[0]
             lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
             if top_m:  # the likeliest token heads the top-m: no separate argmax
                 top_ids[rows, i], top_p[rows, i] = _top(logits, top_m, lse)  # [active, m]
@@ -210,6 +224,8 @@ class DraftModelProposer(Proposer):
                 self._cached[ids[r]].extend(feed[r])
             for r, t in zip(active, tokens.tolist(), strict=True):
                 feed[r] = [t]
+                if r in history:
+                    history[r].append(t)
             if self.min_confidence and i + 1 < k:
                 # The draft's raw probability of the token it proposed, row by row.
                 conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp().tolist()

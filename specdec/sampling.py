@@ -9,8 +9,8 @@ SpecServe calls :func:`logits_to_probs` so the two sides cannot drift apart.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -40,6 +40,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # report the sampled token's logprob and this many top ones
+    # History-dependent processing (specdec.penalties), applied to raw logits before the
+    # transform above, on the target and the draft alike.
+    repetition_penalty: float = 1.0  # > 0; 1 disables
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    presence_penalty: float = 0.0  # in [-2, 2]
+    min_tokens: int = 0  # no stop token before this many output tokens
+    # What min_tokens bans: EOS ids (unless ignore_eos) and stop_token_ids. Filled in by
+    # the engine core, which knows the model's EOS ids, so every worker bans the same ids.
+    all_stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence for `stop`, as the OpenAI API does.
@@ -48,6 +57,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(
+            self, "all_stop_token_ids", tuple(int(t) for t in self.all_stop_token_ids)
+        )
         errors = []
         if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
             errors.append(f"temperature must be a finite number, got {self.temperature!r}")
@@ -79,10 +91,34 @@ class SamplingParams:
             errors.append(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        rp = self.repetition_penalty
+        if not isinstance(rp, int | float) or not (math.isfinite(rp) and 0 < rp <= 2):
+            errors.append(f"repetition_penalty must be in (0, 2], got {rp!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not (math.isfinite(v) and -2 <= v <= 2):
+                errors.append(f"{name} must be in [-2, 2], got {v!r}")
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not self.min_tokens >= 0
+        ):
+            errors.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            errors.append(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             errors.append("stop must be a non-empty string or a list of non-empty strings")
         if errors:
             raise ValueError("; ".join(errors))
+
+    def with_stops(self, eos_token_ids: Collection[int] | int | None) -> SamplingParams:
+        """These params with :attr:`all_stop_token_ids` filled from the model's EOS ids."""
+        eos = () if eos_token_ids is None else eos_token_ids
+        eos = (eos,) if isinstance(eos, int) else tuple(sorted(eos))
+        ids = (() if self.ignore_eos else eos) + self.stop_token_ids
+        return replace(self, all_stop_token_ids=tuple(dict.fromkeys(ids)))
 
     @property
     def is_greedy(self) -> bool:

@@ -111,10 +111,25 @@ class SpeculativeDrafter:
 
     # ----- sequences ----------------------------------------------------------------------
 
-    def add(self, seq_id: Hashable, token_ids: list[int], params: SamplingParams) -> None:
-        """Start (or restart) drafting for a sequence from all its committed tokens."""
+    def add(
+        self,
+        seq_id: Hashable,
+        token_ids: list[int],
+        params: SamplingParams,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Start (or restart) drafting for a sequence from all its committed tokens, the
+        first ``num_prompt_tokens`` of them its prompt (default: all; penalties count
+        the output apart from the prompt)."""
         self.free(seq_id)
-        self.seqs[seq_id] = SequenceState(seq_id, list(token_ids), params, device=self._device)
+        p = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        self.seqs[seq_id] = SequenceState(
+            seq_id,
+            list(token_ids[:p]),
+            params,
+            output_token_ids=list(token_ids[p:]),
+            device=self._device,
+        )
 
     def free(self, seq_id: Hashable) -> None:
         self._drop_branches(seq_id)
@@ -238,7 +253,11 @@ class SpeculativeDrafter:
             seq = self.seqs[sid]
             heads.append(
                 SequenceState(
-                    sid, seq.token_ids + self._last[sid].tokens, seq.params, device=self._device
+                    sid,
+                    seq.prompt_token_ids,
+                    seq.params,
+                    output_token_ids=seq.output_token_ids + list(self._last[sid].tokens),
+                    device=self._device,
                 )
             )
         bonus_ids, bonus_probs = self.proposer.extend(heads, self.top_m)  # [batch, m]
@@ -282,7 +301,15 @@ class SpeculativeDrafter:
             except Exception:
                 self._free_states(states)
                 raise
-            states.append(SequenceState(bid, prefix, seq.params, device=self._device))
+            states.append(
+                SequenceState(
+                    bid,
+                    seq.prompt_token_ids,
+                    seq.params,
+                    output_token_ids=seq.output_token_ids + list(guess),
+                    device=self._device,
+                )
+            )
             parents.append(sid)
             guesses.append(guess)
             ks.append(k)

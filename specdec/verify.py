@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import CompactQ, dequantize_q
 from specdec.rejection import rejection_sample
 from specdec.sampling import SamplingParams, probs_for
@@ -40,6 +41,27 @@ class VerifyRow:
     # form from another actor, or a float32 distribution; None for greedy rows
     draft_probs: CompactQ | np.ndarray | torch.Tensor | None
     generator: torch.Generator | None  # the request's verify stream (None: global RNG)
+    # The sequence so far, for history-dependent processing (specdec.penalties): needed
+    # only when ``needs_history(params)``.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+def _with_history(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> torch.Tensor:
+    """``logits`` with each row's penalties and min_tokens applied at its positions
+    ``0..k_i`` (position ``j`` given the drafts before it); the input itself when no row
+    needs them, else a float32 copy (the caller's raw logits stay as they are)."""
+    todo = [i for i, r in enumerate(rows) if needs_history(r.params)]
+    if not todo:
+        return logits
+    out = logits.float().clone()  # [batch, n, vocab]
+    for i in todo:
+        r = rows[i]
+        n = len(r.draft_token_ids) + 1
+        out[i, :n] = apply_history(
+            logits[i, :n], r.params, r.prompt_token_ids, r.output_token_ids, r.draft_token_ids
+        )
+    return out
 
 
 def verify_rows(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[tuple[list[int], int]]:
@@ -51,6 +73,7 @@ def verify_rows(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[tuple[l
     token) and the number of accepted drafts.
     """
     results: list[tuple[list[int], int] | None] = [None] * len(rows)
+    logits = _with_history(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if greedy:
@@ -106,8 +129,21 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
         results[i] = (out.tokens(row), accepted[row])
 
 
-def sample_next(last_logits: torch.Tensor, params: Sequence[SamplingParams], generators):
-    """One token per row from ``[batch, vocab]`` logits; greedy rows take the argmax."""
+def sample_next(
+    last_logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators,
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+):
+    """One token per row from ``[batch, vocab]`` logits; greedy rows take the argmax.
+
+    ``histories``: per row ``(prompt ids, output ids)``, for rows whose params need them.
+    """
+    if histories is not None and any(needs_history(sp) for sp in params):
+        last_logits = last_logits.float().clone()
+        for i, (sp, (prompt, output)) in enumerate(zip(params, histories, strict=True)):
+            if needs_history(sp):
+                last_logits[i] = apply_history(last_logits[i : i + 1], sp, prompt, output)[0]
     out = last_logits.argmax(dim=-1).tolist()
     for i, sp in enumerate(params):
         if not sp.is_greedy:

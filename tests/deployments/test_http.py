@@ -462,13 +462,15 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 UNSUPPORTED = [
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/completions", {"repetition_penalty": 1.1}, "repetition_penalty"),
+    ("/v1/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"min_tokens": 3}, "min_tokens"),  # more than max_tokens 2
+    ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"stop_token_ids": [10**9]}, "stop_token_ids"),
     ("/v1/completions", {"stop_token_ids": [True]}, "stop_token_ids"),
     ("/v1/chat/completions", {"stop_token_ids": list(range(65))}, "stop_token_ids"),
     ("/v1/completions", {"ignore_eos": "yes"}, "ignore_eos"),
-    ("/v1/completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("/v1/completions", {"presence_penalty": -2.01}, "presence_penalty"),
     ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
