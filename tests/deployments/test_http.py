@@ -121,6 +121,40 @@ def test_stop_token_ids_and_ignore_eos_as_benchmark_clients_send_them(base_url, 
     assert choice["text"] == tokenizer.decode(ref[: j + 1], skip_special_tokens=True)
 
 
+def test_penalties_and_min_tokens_through_the_server_equal_target_only(base_url, tokenizer):
+    """Greedy with penalties (speculation on, drafts accepted) equals the target-only
+    reference with the same penalties, which differs from plain greedy. ``min_tokens``
+    holds back a stop token the text would otherwise end at."""
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    target = ModelRunner(DEMO_TARGET)
+    plain = generate_autoregressive(
+        target, prompt_ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ).token_ids
+    body = {**COMPLETION, "prompt": prompt_ids, "temperature": 0, "max_tokens": 32}
+    penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.2}
+    ref = generate_autoregressive(
+        target,
+        prompt_ids,
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **penalties),
+    ).token_ids
+    assert ref != plain
+    r = post(base_url, "/v1/completions", {**body, **penalties, "ignore_eos": True}).json()
+    assert r["choices"][0]["text"] == tokenizer.decode(ref, skip_special_tokens=True)
+    assert r["speculation"]["accepted"] > 0
+    stop = plain[3]  # greedy would stop at index 3 (or earlier, where it first occurs)
+    floor = plain.index(stop) + 6
+    r = post(base_url, "/v1/completions", {**body, "stop_token_ids": [stop], "min_tokens": floor})
+    out = r.json()
+    want = generate_autoregressive(
+        target,
+        prompt_ids,
+        SamplingParams(temperature=0, max_tokens=32, stop_token_ids=(stop,), min_tokens=floor),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    assert out["usage"]["completion_tokens"] == len(want.token_ids) >= floor
+    assert out["choices"][0]["text"] == tokenizer.decode(want.token_ids, skip_special_tokens=True)
+
+
 def test_a_batch_of_prompts_and_n_choices_as_lm_eval_and_samplers_send_them(base_url, tokenizer):
     """``prompt`` as a list of token lists (lm-eval) or texts: one choice per prompt, in
     order, each what the prompt alone gives; ``n`` samples per prompt (index = prompt x n +
