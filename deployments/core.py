@@ -286,8 +286,9 @@ class EngineCore:
         """Long-poll: outputs after ``cursor`` (those before it are acknowledged and dropped).
 
         An output is ``(seq_id, new_tokens, finished, finish_reason, num_output_tokens,
-        (drafted, accepted, rounds, cache_hits), error, logprobs)``; ``logprobs`` is None
-        unless the request asked for them (see :func:`token_logprobs`).
+        (drafted, accepted, rounds, cache_hits), error, logprobs, prompt_logprobs)``;
+        ``logprobs`` is None unless the request asked for them (see :func:`token_logprobs`),
+        ``prompt_logprobs`` too, and set on a request's first output only.
         """
         with self._out_cv:
             drop = max(0, min(cursor - self._out_base, len(self._outbox)))
@@ -309,7 +310,9 @@ class EngineCore:
             sched = self.scheduler
             with self._out_cv:
                 for sid in list(sched.running) + [it[0] for it in sched.waiting]:
-                    self._outbox.append((sid, [], True, "error", 0, (0, 0, 0, 0), self.error, None))
+                    self._outbox.append(
+                        (sid, [], True, "error", 0, (0, 0, 0, 0), self.error, None, None)
+                    )
                 self._out_cv.notify_all()
 
     def _loop(self) -> None:
@@ -402,8 +405,38 @@ class EngineCore:
                 # A resumed request already has its newest token: it is fed next round.
                 feeds.append(state.token_ids if not output else state.token_ids[:-1])
             ids = [seq.seq_id for seq in seqs]
-            logits = self.runner.forward_padded(ids, feeds, last_only=True)  # [batch, vocab]
             fresh = [i for i, seq in enumerate(seqs) if not seq.state.output_token_ids]
+            # Rows that score their prompt need every position's logits; the others only
+            # the last, so they run apart: [batch, vocab] for all, [prompt] lists for some.
+            scoring = [i for i in fresh if seqs[i].state.params.prompt_logprobs is not None]
+            prompt_lps: dict[int, list] = {}
+            rest = [i for i in range(len(seqs)) if i not in scoring]
+            logits = None
+            if rest:
+                logits = self.runner.forward_padded(
+                    [ids[i] for i in rest], [feeds[i] for i in rest], last_only=True
+                )
+            if scoring:
+                full = self.runner.forward_padded(
+                    [ids[i] for i in scoring], [feeds[i] for i in scoring]
+                )  # [s, longest prompt, vocab]
+                last = torch.stack([full[r, len(feeds[i]) - 1] for r, i in enumerate(scoring)])
+                for r, i in enumerate(scoring):
+                    prompt = seqs[i].state.prompt_token_ids
+                    prompt_lps[i] = (
+                        token_logprobs(
+                            full[r, : len(prompt) - 1],
+                            prompt[1:],
+                            seqs[i].state.params.prompt_logprobs,
+                        )
+                        or []
+                    )
+                del full
+                parts = [last] if logits is None else [logits, last]
+                order = rest + scoring
+                logits = torch.cat(parts)[
+                    torch.tensor([order.index(i) for i in range(len(seqs))], device=last.device)
+                ]  # [batch, vocab] back in batch order
             firsts = (
                 sample_next(
                     logits[fresh],
@@ -432,7 +465,7 @@ class EngineCore:
         for i, tok, lps in zip(fresh, firsts, first_lps, strict=True):
             seqs[i].state.append([tok], self.eos_token_ids)
             seqs[i].guess = (tok,)
-            outputs.append(self._output(seqs[i], [tok], lps))
+            outputs.append(self._output(seqs[i], [tok], lps, prompt_lps.get(i)))
         self._publish(outputs)
         return ids
 
@@ -451,7 +484,7 @@ class EngineCore:
         stats = tuple(seq.stats) if seq is not None else (0, 0, 0, 0)
         n_out = len(seq.state.output_token_ids) if seq is not None else 0
         error = f"request failed in the engine core: {type(exc).__name__}: {exc}"
-        self._publish([(sid, [], True, "error", n_out, stats, error, None)])
+        self._publish([(sid, [], True, "error", n_out, stats, error, None, None)])
 
     def _message(
         self,
@@ -621,7 +654,11 @@ class EngineCore:
         return list(zip(ids, results, strict=True))
 
     def _output(
-        self, seq: RunningSeq, new_tokens: list[int], logprobs: list | None = None
+        self,
+        seq: RunningSeq,
+        new_tokens: list[int],
+        logprobs: list | None = None,
+        prompt_logprobs: list | None = None,
     ) -> tuple:
         st = seq.state
         return (
@@ -633,6 +670,7 @@ class EngineCore:
             tuple(seq.stats),
             None,
             logprobs,
+            prompt_logprobs,
         )
 
     def _publish(self, outputs: list[tuple]) -> None:

@@ -374,7 +374,7 @@ class SpecEngine:
             self.target.abort.remote(rids)  # fire and forget: a dead target frees nothing
 
     def _deliver(self, out: tuple) -> None:
-        rid, new, finished, reason, _n_out, stats, error, logprobs = out
+        rid, new, finished, reason, _n_out, stats, error, logprobs, prompt_logprobs = out
         req = self._requests.get(rid)
         if req is None or req.finished:
             return
@@ -403,6 +403,7 @@ class SpecEngine:
                 RequestStats(*stats),
                 text,
                 logprobs,
+                prompt_logprobs,
             )
         )
 

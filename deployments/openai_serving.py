@@ -227,6 +227,9 @@ class OpenAIServing:
         if chat and req.max_completion_tokens is not None:
             field, asked = "max_completion_tokens", req.max_completion_tokens
         max_tokens = asked if asked is not None else min(self.config.default_max_tokens, room)
+        # max_tokens 0 (echo only): the prompt is scored by the prefill, which also makes
+        # one token; the response leaves that token out (see _Choice.score_only).
+        max_tokens = max(max_tokens, 1)
         if prompt_len + max_tokens > context:  # (the engine checks it too, without the name)
             raise bad_request(
                 f"prompt ({prompt_len} tokens) + {field} ({max_tokens}) exceeds "
@@ -264,6 +267,7 @@ class OpenAIServing:
             stop_token_ids=tuple(stop_ids),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=req.logprobs if not chat and req.echo else None,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
@@ -373,6 +377,27 @@ class OpenAIServing:
         acc["_end"] = offset
         return acc
 
+    def prompt_completion_logprobs(
+        self, prompt_ids: list[int], first: RequestOutput | None
+    ) -> dict[str, Any]:
+        """A completions-logprobs record that starts with the prompt's tokens (echo with
+        logprobs): the first one's logprob and alternatives are null, nothing precedes it."""
+        acc = self.new_completion_logprobs(0)
+        scored = (first.prompt_logprobs if first is not None else None) or []
+        offset = 0
+        for j, tok in enumerate(prompt_ids):
+            text = self._token_text(tok)
+            lp, top = scored[j - 1] if 0 < j <= len(scored) else (None, None)
+            acc["tokens"].append(text)
+            acc["token_logprobs"].append(lp)
+            acc["top_logprobs"].append(
+                None if top is None else {self._token_text(i): v for i, v in top}
+            )
+            acc["text_offset"].append(offset)
+            offset += len(text)
+        acc["_end"] = offset
+        return acc
+
     @staticmethod
     def _public(acc: dict[str, list]) -> dict[str, list]:
         return {k: v for k, v in acc.items() if not k.startswith("_")}
@@ -441,7 +466,11 @@ class OpenAIServing:
                     if params.seed is None or j == 0
                     else replace(params, seed=(params.seed + j) % 2**63)
                 )
-                choices.append(_Choice(p * n + j, prompt_ids, seeded, echo, p))
+                choices.append(
+                    _Choice(
+                        p * n + j, prompt_ids, seeded, echo, p, not chat and req.max_tokens == 0
+                    )
+                )
         await self._start(choices, args, wait_all=not req.stream)  # errors become statuses
         if req.stream:
             return StreamingResponse(
@@ -480,10 +509,14 @@ class OpenAIServing:
         text, last = c.echo, c.first
         chat_lps: list[dict[str, Any]] = []
         comp_lps = self.new_completion_logprobs(len(c.echo))
+        if c.params.prompt_logprobs is not None:
+            comp_lps = self.prompt_completion_logprobs(c.prompt_ids, c.first)
         out = c.first
         try:
             while out is not None:
                 last = out
+                if c.score_only:  # the prefill's token is not part of the answer
+                    break
                 if c.params.logprobs is not None:
                     if chat:
                         chat_lps += self.chat_logprobs(out)
@@ -497,7 +530,7 @@ class OpenAIServing:
             await c.gen.aclose()
         choice: dict[str, Any] = {
             "index": c.index,
-            "finish_reason": last.finish_reason if last else "length",
+            "finish_reason": last.finish_reason if last and not c.score_only else "length",
         }
         if chat:
             choice["message"] = {"content": text}
@@ -513,7 +546,11 @@ class OpenAIServing:
     def _usage(choices: list[_Choice], lasts: list[Any]) -> Usage:
         """Prompt tokens once per prompt (its n choices share it), output tokens of all."""
         prompt = sum({c.prompt_index: len(c.prompt_ids) for c in choices}.values())
-        out = sum(last.num_output_tokens for last in lasts if last is not None)
+        out = sum(
+            last.num_output_tokens
+            for c, last in zip(choices, lasts, strict=True)
+            if last is not None and not c.score_only
+        )
         return Usage(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out)
 
     async def _whole(self, rid, choices: list[_Choice], args, chat):
@@ -580,7 +617,8 @@ class OpenAIServing:
             return part
 
         def end(c: _Choice, last) -> str:
-            done = {"index": c.index, "finish_reason": last.finish_reason if last else "length"}
+            reason = last.finish_reason if last and not c.score_only else "length"
+            done = {"index": c.index, "finish_reason": reason}
             done.update({"delta": {}} if chat else {"text": "", "logprobs": None})
             report = self.report(last, args, c.params).model_dump()
             return chunk([done], {"speculation": report})
@@ -614,22 +652,32 @@ class OpenAIServing:
                 role = {"role": "assistant", "content": ""}
                 for c in choices:
                     yield chunk([{"index": c.index, "delta": role, "finish_reason": None}])
+            # The echo goes first; with prompt logprobs it waits for the first output,
+            # which carries them.
+            unechoed = set()
             for c in choices:
-                if c.echo:
+                if c.params.prompt_logprobs is not None:
+                    unechoed.add(c.index)
+                elif c.echo:
                     yield chunk([piece(c, None, c.echo)])
             tasks = [asyncio.create_task(pump(c)) for c in choices]
             open_choices = len(choices)
             while open_choices:
                 c, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if c.index in unechoed:
+                    unechoed.discard(c.index)
+                    lps = self.prompt_completion_logprobs(c.prompt_ids, item)
+                    token_end[c.index] = lps["_end"]
+                    yield chunk([{**piece(c, None, c.echo), "logprobs": self._public(lps)}])
                 if item is None:
                     open_choices -= 1
                     yield end(c, lasts[c.index])
                     continue
-                if isinstance(item, BaseException):
-                    raise item
                 lasts[c.index] = item
                 text = item.text or ""
-                if text or item.logprobs:
+                if (text or item.logprobs) and not c.score_only:
                     yield chunk([piece(c, item, text)])
         except Exception as exc:  # the response has begun: an error event, then the end
             if not isinstance(exc, APIError):
@@ -659,6 +707,7 @@ class _Choice:
     params: SamplingParams
     echo: str
     prompt_index: int
+    score_only: bool = False  # max_tokens 0: the prompt alone is returned (and scored)
     gen: Any = None  # the engine's output stream, once started
     first: RequestOutput | None = None
     started: bool = False  # ``first`` was awaited (a stream awaits the first choice's only)

@@ -149,21 +149,27 @@ class CompletionRequest(_SamplingFields):
         "texts or of token-id lists, up to 64): one choice per prompt, choice index = "
         "prompt index x n + sample."
     )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Most tokens to generate; 0 only with echo (score the prompt).",
+    )
     echo: bool | None = Field(default=False, description="Return the prompt before the completion.")
     logprobs: int | None = Field(
         default=None,
         ge=0,
         le=MAX_LOGPROBS,
         description="Log-probabilities of each returned token under the target model, "
-        "with this many likeliest alternatives.",
+        "with this many likeliest alternatives; with echo also the prompt's (the first "
+        "token's is null: nothing precedes it).",
     )
     suffix: None = Field(default=None, description="Not supported: only null.")
     best_of: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported.")
 
     @model_validator(mode="after")
-    def _echo_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo (scoring the prompt)")
         return self
 
 
@@ -271,8 +277,13 @@ class SpeculationReport(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(description="Each returned token's text.")
-    token_logprobs: list[float] = Field(description="Its log-probability under the target.")
-    top_logprobs: list[dict[str, float]] | None = Field(description="Likeliest alternatives.")
+    token_logprobs: list[float | None] = Field(
+        description="Its log-probability under the target (null for an echoed prompt's "
+        "first token)."
+    )
+    top_logprobs: list[dict[str, float] | None] | None = Field(
+        description="Likeliest alternatives (null for an echoed prompt's first token)."
+    )
     text_offset: list[int] = Field(description="Where each token starts in the text.")
 
 

@@ -60,6 +60,9 @@ class RequestOutput:
     text: str | None = None  # the new text the client receives (None without a tokenizer)
     # per new token: (logprob, [(token_id, logprob), ...]) when the request asked for them
     logprobs: list[tuple] | None = None
+    # the prompt's tokens after the first, in the same form (first output only, when the
+    # request asked for prompt logprobs)
+    prompt_logprobs: list[tuple] | None = None
 
 
 @dataclass

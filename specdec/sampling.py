@@ -40,6 +40,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # report the sampled token's logprob and this many top ones
+    # Log-probabilities of the prompt's tokens (each given those before it) with this many
+    # top ones, returned with the first output (echo + logprobs: scoring, as lm-eval asks).
+    prompt_logprobs: int | None = None
     # History-dependent processing (specdec.penalties), applied to raw logits before the
     # transform above, on the target and the draft alike.
     repetition_penalty: float = 1.0  # > 0; 1 disables
@@ -90,6 +93,15 @@ class SamplingParams:
         ):
             errors.append(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            errors.append(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
             )
         rp = self.repetition_penalty
         if not isinstance(rp, int | float) or not (math.isfinite(rp) and 0 < rp <= 2):

@@ -10,12 +10,13 @@ import time
 import httpx
 import pytest
 import schemathesis
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import APIStatusError, OpenAI
 from ray import serve
 from schemathesis import GenerationMode
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.app import build_specserve_app
 from deployments.config import AppConfig
@@ -153,6 +154,40 @@ def test_penalties_and_min_tokens_through_the_server_equal_target_only(base_url,
     )
     assert out["usage"]["completion_tokens"] == len(want.token_ids) >= floor
     assert out["choices"][0]["text"] == tokenizer.decode(want.token_ids, skip_special_tokens=True)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(base_url, tokenizer):
+    """lm-eval's loglikelihood request (a batch of token lists, ``echo``, ``logprobs: 1``,
+    ``max_tokens`` 1, greedy): every prompt token after the first has the target's own
+    log-probability (checked against transformers on the same weights), the first is
+    null; ``max_tokens: 0`` returns the scored prompt alone; a stream carries the same."""
+    texts = ["def add(a, b):\n    return a + b\n", "import sys\nprint(sys.argv)\n"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "temperature": 0}
+    r = post(base_url, "/v1/completions", {**body, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    for choice, prompt in zip(r.json()["choices"], ids, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 1  # the prompt, then the one new token
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+        assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-3)
+        best = ref[: len(prompt) - 1].max(-1).values.tolist()
+        got_best = [max(top.values()) for top in lp["top_logprobs"][1 : len(prompt)]]
+        assert got_best == pytest.approx(best, abs=1e-3)
+        assert choice["text"].startswith(tokenizer.decode(prompt))
+    zero = post(base_url, "/v1/completions", {**body, "max_tokens": 0}).json()
+    assert zero["usage"]["completion_tokens"] == 0
+    for choice, prompt in zip(zero["choices"], ids, strict=True):
+        assert len(choice["logprobs"]["tokens"]) == len(prompt)
+        assert choice["text"] == tokenizer.decode(prompt) and choice["finish_reason"] == "length"
+    stream = post(base_url, "/v1/completions", {**body, "prompt": ids[0], "stream": True})
+    events = [json.loads(x[6:]) for x in stream.text.splitlines() if x.startswith("data: {")]
+    first = events[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"] == r.json()["choices"][0]["logprobs"]["token_logprobs"][:-1]
 
 
 def test_a_batch_of_prompts_and_n_choices_as_lm_eval_and_samplers_send_them(base_url, tokenizer):
@@ -509,7 +544,8 @@ UNSUPPORTED = [
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"echo": True, "logprobs": 2}, "echo"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
