@@ -15,6 +15,7 @@ from deployments.api_keys import (
     parse_key_list,
 )
 from deployments.config import ApiKey, AppConfig
+from tests.conftest import ROOT
 
 ENGINE = {"target": {"model": "models/demo-target"}}
 ALICE, BOB = "alice-3f9c2b7e0d", "bob-8a1e44c0c2"
@@ -173,6 +174,17 @@ def test_list_format():
         ("alice", ALICE, 2),
         ("bob", BOB, None),
         ("carol", "c-key", 1),
+    ]
+
+
+def test_the_keys_file_example_in_security_md_parses():
+    text = (ROOT / "SECURITY.md").read_text()
+    example = text[text.index("# /etc/specserve/api_keys") :].split("```", 1)[0]
+    keys = parse_key_list(example, "SECURITY.md")
+    assert [(k.name, k.max_concurrent_requests) for k in keys] == [
+        ("search-team", 8),
+        ("batch-jobs", 2),
+        ("notebook", None),
     ]
 
 
