@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from deployments.api_keys import KeyStore
 from deployments.config import AppConfig, EngineConfig
 from deployments.engine import SpecEngine
 from deployments.placement import placement_for, replica_actor_options
@@ -84,10 +85,12 @@ class SpecServeDeployment:
 
     async def __init__(self, config: dict[str, Any], monitor: DeploymentHandle | None = None):
         self.config = AppConfig.model_validate(config)
-        if self.config.api_key is None and os.environ.get("SPECSERVE_API_KEY"):
-            self.config = self.config.model_copy(
-                update={"api_key": os.environ["SPECSERVE_API_KEY"]}
-            )
+        # Keys are read here, in the replica: its environment and its node's files.
+        self.keys = KeyStore.from_config(self.config, os.environ)
+        if self.keys.enabled:
+            logger.info("API keys: %s", self.keys)  # names and limits; keys never
+        else:
+            logger.warning("no API key configured: /v1/* is open to anyone who reaches it")
         self.tokenizer = load_tokenizer(self.config.engine)
         preflight(self.config.engine, self.tokenizer)
         pg = ray.util.get_current_placement_group()
@@ -109,7 +112,7 @@ class SpecServeDeployment:
         return await self.monitor.report.remote(batch, requests, cursor)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.config, self.engine, self.tokenizer, self.replica_id)
+        return create_app(self.config, self.engine, self.tokenizer, self.replica_id, keys=self.keys)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Token-level streaming for Python handles (benchmarks, tests).

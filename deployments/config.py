@@ -7,10 +7,11 @@ runs the CPU demo and a GPU pair by changing ``num_gpus`` and ``accelerator_type
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from monitoring.drift import DriftConfig
 
@@ -424,14 +425,107 @@ class MonitoringConfig(_Strict):
     )
 
 
+# RFC 6750's b64token, the syntax of a bearer token: keys that fit it travel in any HTTP
+# client's Authorization header unchanged, and never contain the ':', ',', '#' or
+# whitespace that the name:key[:limit] list format (SPECSERVE_API_KEYS, api_keys_file) uses.
+KEY_PATTERN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+DEFAULT_KEY_NAME = "default"  # the name of api_key (SPECSERVE_API_KEY) in logs
+
+
+def check_key(key: SecretStr) -> SecretStr:
+    """Refuse a key that is empty or not a bearer token; the message never quotes it."""
+    value = key.get_secret_value()
+    if not KEY_PATTERN.fullmatch(value):
+        raise ValueError(
+            "an API key must be a non-empty bearer token (RFC 6750 b64token: letters, "
+            "digits and - . _ ~ + /, then optional '='); e.g. python -c "
+            "'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    return key
+
+
+class ApiKey(_Strict):
+    """One client's key: the name is what logs show, the key is never shown."""
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Who the key belongs to, as logs name it (1-64 letters, digits, _ . -).",
+    )
+    key: SecretStr = Field(
+        description="The bearer key (RFC 6750 b64token syntax). Stored as SecretStr: repr, "
+        "str and model_dump(mode='json') show '**********'."
+    )
+    max_concurrent_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most /v1/* requests of this key in flight at once on one replica (a "
+        "stream counts until it ends); more get HTTP 429 with Retry-After. None: the "
+        "app's max_concurrent_requests_per_key.",
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _bearer_token(cls, value: SecretStr) -> SecretStr:
+        return check_key(value)
+
+
+def check_unique_keys(keys: list[ApiKey]) -> None:
+    """Two entries with one name, or one key under two names, are a mistake: refuse them
+    (naming the entries, never the key)."""
+    names: set[str] = set()
+    owners: dict[str, str] = {}  # key -> name
+    for k in keys:
+        if k.name in names:
+            raise ValueError(f"API key name {k.name!r} is used twice")
+        names.add(k.name)
+        other = owners.setdefault(k.key.get_secret_value(), k.name)
+        if other != k.name:
+            raise ValueError(f"API keys {other!r} and {k.name!r} are the same key")
+
+
 class AppConfig(_Strict):
-    """The ``args`` of ``deployments.app:build_app`` in a ``serve deploy`` config."""
+    """The ``args`` of ``deployments.app:build_app`` in a ``serve deploy`` config.
+
+    Validation errors never quote the input (``hide_input_in_errors``): a config holds
+    API keys, and an error message ends up in logs."""
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     engine: EngineConfig = Field(description="The engine each replica runs.")
-    api_key: str | None = Field(
+    api_key: SecretStr | None = Field(
         default=None,
-        description="Bearer key required on /v1/*; None reads SPECSERVE_API_KEY from the "
-        "replica's environment, and no key there means no authentication.",
+        description="A bearer key for /v1/*, named 'default' in logs. None reads "
+        "SPECSERVE_API_KEY from the replica's environment. Keys from api_key, api_keys and "
+        "api_keys_file all open the API; with none of them, there is no authentication.",
+    )
+    api_keys: list[ApiKey] | None = Field(
+        default=None,
+        description="Named keys, each with an optional concurrency limit. None reads "
+        "SPECSERVE_API_KEYS from the replica's environment: entries name:key[:limit] "
+        "separated by commas or whitespace. Keys written here are visible to whoever can "
+        "read the Serve config (the dashboard shows it): prefer the file or the environment.",
+    )
+    api_keys_file: str | None = Field(
+        default=None,
+        description="A file on every node read when a replica starts: one name:key[:limit] "
+        "entry per line, '#' starts a comment. None reads the path from "
+        "SPECSERVE_API_KEYS_FILE in the replica's environment.",
+    )
+    max_concurrent_requests_per_key: int | None = Field(
+        default=None,
+        ge=1,
+        description="The concurrency limit of keys that set none, per replica (the proxy "
+        "spreads a key's requests over replicas). None: unlimited.",
+    )
+    rate_limit_retry_after_s: int = Field(
+        default=1,
+        ge=1,
+        le=3600,
+        description="Retry-After of a 429 sent to a key at its concurrency limit (a place "
+        "frees as soon as one of its requests ends, which the server cannot foresee).",
     )
     max_body_bytes: int = Field(
         default=1_000_000, ge=1024, description="Larger request bodies get HTTP 413."
@@ -453,3 +547,18 @@ class AppConfig(_Strict):
         description="Serve autoscaling_config (min_replicas, max_replicas, "
         "target_ongoing_requests, ...); overrides num_replicas.",
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _bearer_token(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else check_key(value)
+
+    @model_validator(mode="after")
+    def _unique_keys(self) -> AppConfig:
+        """The keys written here; those of the environment and of api_keys_file are
+        checked with them when a replica starts (deployments/api_keys.py)."""
+        single = (
+            [ApiKey(name=DEFAULT_KEY_NAME, key=self.api_key)] if self.api_key is not None else []
+        )
+        check_unique_keys(single + list(self.api_keys or []))
+        return self

@@ -2,20 +2,27 @@
 
 The ingress and the engine share a process: a request costs one HTTP hop through Serve's
 proxy and no DeploymentHandle hop; per-round traffic goes only to the worker actors.
-Errors use OpenAI's error JSON; bad input never yields a 500, and every 503 carries
-``Retry-After``.
+Errors use OpenAI's error JSON; bad input never yields a 500, and every 503 and 429
+carries ``Retry-After``.
 """
 
 from __future__ import annotations
 
-import hmac
+import logging
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from deployments.api_keys import (
+    ConcurrencyLimiter,
+    ConcurrencyLimitExceeded,
+    KeyStore,
+    bearer_token,
+)
 from deployments.config import AppConfig
 from deployments.engine import SpecEngine
 from deployments.openai_serving import RETRY_AFTER_S, APIError, OpenAIServing
@@ -30,10 +37,13 @@ from deployments.protocol import (
     ModelList,
 )
 
+logger = logging.getLogger("specserve.server")
+
 ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     413: {"model": ErrorResponse, "description": "Request body too large"},
+    429: {"model": ErrorResponse, "description": "The API key's concurrency limit is reached"},
     503: {"model": ErrorResponse, "description": "Engine not ready or overloaded"},
 }
 
@@ -45,8 +55,61 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str = "") -> FastAPI:
-    """The FastAPI app over an engine; the Serve deployment wraps it with ``serve.ingress``."""
+def api_path(scope: Scope) -> str:
+    """The request's path below the app's route prefix (Serve mounts apps under one)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+class KeyGate:
+    """ASGI middleware in front of ``/v1/*``: 401 for a missing or unknown key, 429 with
+    ``Retry-After`` for a key at its concurrency limit.
+
+    Plain ASGI rather than an ``@app.middleware("http")`` function, because the place a
+    request holds must last as long as its response: the gate releases it when the app's
+    call returns, which for a stream is after its last event, or when the client leaves
+    (Serve cancels the call), or on an error. An HTTP middleware function gets the response
+    back once its headers are ready, before a stream's body has run.
+    """
+
+    def __init__(self, app: ASGIApp, keys: KeyStore, limiter: ConcurrencyLimiter):
+        self.app, self.keys, self.limiter = app, keys, limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or not self.keys.enabled
+            or not api_path(scope).startswith("/v1/")
+        ):
+            return await self.app(scope, receive, send)
+        authorization = dict(scope["headers"]).get(b"authorization")
+        client = self.keys.lookup(bearer_token(authorization))
+        if client is None:
+            refusal = error_response(
+                401, "missing or incorrect API key", "authentication_error", "invalid_api_key"
+            )
+            return await refusal(scope, receive, send)
+        try:
+            lease = self.limiter.acquire(client)
+        except ConcurrencyLimitExceeded as exc:
+            logger.info("429 for API key %s: at its limit", client)
+            refusal = error_response(
+                429,
+                str(exc),
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                headers={"Retry-After": str(exc.retry_after_s)},
+            )
+            return await refusal(scope, receive, send)
+        with lease:
+            await self.app(scope, receive, send)
+
+
+def create_app(
+    config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str = "", *, keys: KeyStore
+) -> FastAPI:
+    """The FastAPI app over an engine; the Serve deployment wraps it with ``serve.ingress``.
+    ``keys`` are the replica's API keys (none: the API is open)."""
     app = FastAPI(title="SpecServe", version="0.1.0", description=__doc__)
     serving = OpenAIServing(config, engine, tokenizer)
     created = int(time.time())
@@ -80,21 +143,8 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.middleware("http")
-    async def _limits_and_auth(request: Request, call_next):
-        path, root = request.url.path, request.scope.get("root_path", "")
-        if root and path.startswith(root):  # mounted under a route prefix
-            path = path[len(root) :]
-        if path.startswith("/v1/"):
-            if config.api_key:
-                auth = request.headers.get("authorization", "")
-                given = auth[7:] if auth.lower().startswith("bearer ") else ""
-                if not hmac.compare_digest(given.encode(), config.api_key.encode()):
-                    return error_response(
-                        401,
-                        "missing or incorrect API key",
-                        "authentication_error",
-                        "invalid_api_key",
-                    )
+    async def _limits(request: Request, call_next):
+        if api_path(request.scope).startswith("/v1/"):
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
                 return error_response(
@@ -115,6 +165,11 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
         response = await call_next(request)
         response.headers["x-specserve-replica"] = replica_id
         return response
+
+    # Added last, so outermost: a request's key is checked before anything reads its body.
+    app.add_middleware(
+        KeyGate, keys=keys, limiter=ConcurrencyLimiter(config.rate_limit_retry_after_s)
+    )
 
     # ----- routes ---------------------------------------------------------------------------
 

@@ -425,25 +425,88 @@ def test_client_disconnect_frees_sequence(base_url, extra, choices):
     assert sum(s["aborted"] for s in states) == aborted_before + choices
 
 
+LIMITED_KEY = "limited-7c1e2f90"  # from the secure app's keys file, one request at a time
+
+
 @pytest.fixture(scope="module")
-def secure_url(serve_http):
+def secure_url(serve_http, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "api_keys"
+    keys_file.write_text(f"# name:key[:max_concurrent_requests]\nlimited:{LIMITED_KEY}:1\n")
     deploy(
         "Secure",
         "/secure",
         engine=engine_args(draft=None, faults={"max_target_restarts": 0}),
         api_key="sekret",
+        api_keys_file=str(keys_file),
         monitoring={"enabled": False},
     )
     yield f"{serve_http}/secure"
     serve.delete("Secure")
 
 
+def bearer(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
 def test_api_key_required_when_configured(secure_url):
     assert httpx.get(f"{secure_url}/v1/models").status_code == 401
-    bad = httpx.get(f"{secure_url}/v1/models", headers={"Authorization": "Bearer nope"})
+    bad = httpx.get(f"{secure_url}/v1/models", headers=bearer("nope"))
     assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
-    ok = OpenAI(base_url=f"{secure_url}/v1", api_key="sekret", max_retries=0)
-    assert ok.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert httpx.get(f"{secure_url}/v1/models", headers=bearer("sekret" + "x")).status_code == 401
+    assert httpx.get(f"{secure_url}/health").status_code == 200  # /health needs no key
+    for key in ("sekret", LIMITED_KEY):  # api_key and the keys file's
+        ok = OpenAI(base_url=f"{secure_url}/v1", api_key=key, max_retries=0)
+        assert (
+            ok.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens
+            == 2
+        )
+
+
+def test_a_key_at_its_limit_gets_429_while_its_stream_runs(secure_url):
+    """The limited key holds its one place for as long as its stream runs, not until the
+    headers are sent: a second request of it gets 429 with Retry-After meanwhile, the
+    other key is served, and the place frees when the stream ends or its client leaves."""
+    small = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+
+    def served_again(http):
+        # The last event reaches the client a moment before the replica's call returns
+        # (and a client that left is noticed when Serve cancels its call): ask until then.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r = http.post("/v1/completions", json=small, headers=bearer(LIMITED_KEY))
+            if r.status_code != 429:
+                return r.status_code == 200
+            time.sleep(0.05)
+        return False
+
+    with httpx.Client(base_url=secure_url, timeout=60) as http:
+        stream_body = {**body, "max_tokens": 64, "stream": True}
+        with http.stream(
+            "POST", "/v1/completions", json=stream_body, headers=bearer(LIMITED_KEY)
+        ) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # it runs
+            busy = http.post("/v1/completions", json=small, headers=bearer(LIMITED_KEY))
+            assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
+            error = busy.json()["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+            assert "'limited'" in error["message"] and LIMITED_KEY not in error["message"]
+            other = http.post("/v1/completions", json=small, headers=bearer("sekret"))
+            assert other.status_code == 200
+            assert http.get("/v1/models", headers=bearer(LIMITED_KEY)).status_code == 429
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert served_again(http)
+        aborted = http.get("/health").json()["aborted"]
+        leaving = {**body, "max_tokens": 900, "stream": True}  # > 10 s of tokens
+        with http.stream("POST", "/v1/completions", json=leaving, headers=bearer(LIMITED_KEY)) as s:
+            lines = s.iter_lines()  # kept: a dropped iterator would close the connection
+            next(line for line in lines if line.startswith("data: {"))
+            assert http.get("/v1/models", headers=bearer(LIMITED_KEY)).status_code == 429
+        assert served_again(http)  # the client left mid-stream: its place is free
+        assert http.get("/health").json()["aborted"] == aborted + 1  # left, not finished
 
 
 def test_dead_target_gives_503_not_500(secure_url):
