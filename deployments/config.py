@@ -361,7 +361,9 @@ class MonitoringConfig(_Strict):
         "monitor serves it, so replicas never clash); None: no endpoint (OTLP only).",
     )
     prometheus_host: str = Field(
-        default="0.0.0.0", description="Address the scrape endpoint listens on."
+        default="127.0.0.1",
+        description="Address the scrape endpoint listens on: loopback by default (it has "
+        "no authentication); a node's private address when Prometheus runs elsewhere.",
     )
     flush_interval_s: float = Field(
         default=1.0,

@@ -166,7 +166,7 @@ class Monitor:
 def build_providers(
     prometheus_port: int | None,
     cardinality_limit: int = 2000,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     otlp_endpoint: str | None = None,
 ):
     """Providers for the monitor deployment: a Prometheus endpoint on ``prometheus_port``
