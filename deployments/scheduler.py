@@ -182,7 +182,8 @@ class Scheduler:
         if self.policy is None:
             return
         self.take_drift_alerts(alerts)
-        self.forced = self.policy.plan_round(batch_size)
+        domains = {seq.domain for seq in self.running.values() if seq.auto}
+        self.forced = self.policy.plan_round(batch_size, domains)
 
     def observe_round(
         self,

@@ -20,7 +20,7 @@ verification also slows the target. So nothing here is assumed, it is measured:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from specdec.speedup import expected_tokens_per_round
@@ -351,9 +351,14 @@ class SpeculationLength:
 
     # ----- the decision -------------------------------------------------------------------
 
-    def plan_round(self, batch_size: int) -> int | None:
+    def plan_round(self, batch_size: int, domains: Collection[str] | None = None) -> int | None:
         """Call once per engine round, before :meth:`choose`: the k every policy-driven row
-        runs at this round when it is a cost measurement, else None."""
+        runs at this round when it is a cost measurement, else None.
+
+        ``domains``: those of the round's policy-driven rows. A re-measurement waits while
+        every one of them has an acceptance too low for any k to pay, whatever the costs
+        (``1 / (1 - α̂) < 1 + min_gain``: even free drafts would not gain enough), e.g.
+        after a drift alert said 0: drafting their rows would cost time for nothing."""
         self._round += 1
         c = self._bucket(batch_size)
         c.rounds += 1
@@ -373,7 +378,9 @@ class SpeculationLength:
                 or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
             ]
             remeasure = bool(stale) and c.count.get(stale[0], 0) >= self.explore_rounds
-            if remeasure and stale[0] == self.anchors[-1]:  # one cycle: the longest anchor
+            if remeasure and domains is not None and not any(map(self._may_pay, domains)):
+                stale = []  # not now: checked again next round
+            elif remeasure and stale[0] == self.anchors[-1]:  # one cycle: the longest anchor
                 c.remeasures += 1
                 # Back off while nothing paid here since the last cycle, once two cycles
                 # agreed that the first exploration (cold caches, a fresh server) was right.
@@ -395,6 +402,11 @@ class SpeculationLength:
             return None
         c.forced_left -= 1
         return c.forced
+
+    def _may_pay(self, domain: str) -> bool:
+        """Whether some k could pay for ``domain`` at some cost: unknown α̂ counts as yes."""
+        alpha = self.alpha(domain)
+        return alpha is None or 1.0 / max(1e-9, 1.0 - alpha) >= 1.0 + self.min_gain
 
     def round_time(self, batch_size: int, k: int) -> float | None:
         """Predicted round time at draft length k (None until the bucket has data)."""

@@ -58,10 +58,10 @@ def test_draft_items_full_then_incremental_and_give_up():
     sched.has_draft = True
     seq = running(sched, item("a", k=3))
     full = sched.draft_item(seq)
-    assert full[0] == "a" and full[4] == [1, 2, 3, 7] and full[5]["temperature"] == 0.0
+    assert full[0] == "a" and full[4] == ([1, 2, 3], [7]) and full[5]["temperature"] == 0.0
     seq.base_len = 4
     assert sched.draft_item(seq) == ("a", 4, [7], 3, None, None)
-    assert sched.full_items()[0][4] == [1, 2, 3, 7]  # a new draft gets it in full again
+    assert sched.full_items()[0][4] == ([1, 2, 3], [7])  # a new draft gets it in full again
     sched.give_up(seq)
     assert sched.k_for(seq) == 0 and sched.take_dropped() == ["a"] and sched.dropped == []
 

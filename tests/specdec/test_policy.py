@@ -153,6 +153,22 @@ def test_each_bucket_measures_its_anchor_lengths_then_remeasures_them():
     assert 0 < forced <= 3 * (2 + 1) * (194 // 50 + 1)
 
 
+def test_no_remeasurement_while_no_domain_of_the_round_could_ever_pay():
+    """After a drift alert said α = 0 for every domain of the round, re-measuring costs
+    would draft those rows for nothing: it waits; a round with a domain that may pay
+    (or whose α̂ is unknown) re-measures as before."""
+    policy = SpeculationLength(max_k=6, default_k=3, explore_rounds=2, remeasure_every=20)
+    for _ in range(6):  # the first exploration happens whatever the domains say
+        k = policy.plan_round(4, {"dead"})
+        policy.observe_round_time(4, k, 1.0)
+    policy.on_drift("dead", 0.0)
+    policy.on_drift("fine", 0.8)
+    dead = [policy.plan_round(4, {"dead"}) for _ in range(100)]
+    assert dead == [None] * 100
+    mixed = [policy.plan_round(4, {"dead", "fine"}) for _ in range(3)]
+    assert mixed[0] is not None  # long overdue: the next round with a payable domain
+
+
 def simulate(policy, batch_size, alpha, cost, rounds, seed=0):
     """A synthetic engine: ``batch_size`` rows of one domain; round time ``cost(b, k)``;
     accepted tokens drawn per row. Returns committed tokens per second."""
