@@ -417,21 +417,13 @@ class EngineCore:
                     [ids[i] for i in rest], [feeds[i] for i in rest], last_only=True
                 )
             if scoring:
-                full = self.runner.forward_padded(
-                    [ids[i] for i in scoring], [feeds[i] for i in scoring]
-                )  # [s, longest prompt, vocab]
-                last = torch.stack([full[r, len(feeds[i]) - 1] for r, i in enumerate(scoring)])
-                for r, i in enumerate(scoring):
-                    prompt = seqs[i].state.prompt_token_ids
-                    prompt_lps[i] = (
-                        token_logprobs(
-                            full[r, : len(prompt) - 1],
-                            prompt[1:],
-                            seqs[i].state.params.prompt_logprobs,
-                        )
-                        or []
+                lasts = []
+                for i in scoring:
+                    last_i, prompt_lps[i] = self._score_prompt(
+                        ids[i], feeds[i], seqs[i].state.params.prompt_logprobs
                     )
-                del full
+                    lasts.append(last_i)
+                last = torch.stack(lasts)  # [s, vocab]
                 parts = [last] if logits is None else [logits, last]
                 order = rest + scoring
                 logits = torch.cat(parts)[
@@ -468,6 +460,25 @@ class EngineCore:
             outputs.append(self._output(seqs[i], [tok], lps, prompt_lps.get(i)))
         self._publish(outputs)
         return ids
+
+    def _score_prompt(
+        self, sid: Hashable, prompt: list[int], top: int
+    ) -> tuple[torch.Tensor, list]:
+        """Prefill one prompt in chunks of ``prefill_chunk_size`` and score it: the logits
+        after its last token ([vocab]) and the log-probability of each token after the
+        first. One chunk's logits ([chunk, vocab]) at a time, so a long prompt never
+        materialises [prompt, vocab]."""
+        size = self.runner.prefill_chunk_size
+        scored: list = []
+        last = None
+        for start in range(0, len(prompt), size):
+            chunk = prompt[start : start + size]
+            logits = self.runner.forward_padded([sid], [chunk])[0]  # [chunk, vocab]
+            following = prompt[start + 1 : start + 1 + len(chunk)]  # what each position predicts
+            scored += token_logprobs(logits[: len(following)], following, top) or []
+            last = logits[len(chunk) - 1].clone()  # not a view that would keep the chunk
+            del logits
+        return last, scored
 
     def _fail(self, sid: Hashable, exc: BaseException) -> None:
         """Fail one request alone: free its state here, tell the draft, tell its client."""

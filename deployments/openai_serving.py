@@ -238,9 +238,10 @@ class OpenAIServing:
                 field,
             )
         min_tokens = req.min_tokens or 0
-        if min_tokens > max_tokens:
+        if min_tokens > (asked if asked is not None else max_tokens):
             raise bad_request(
-                f"min_tokens ({min_tokens}) must be <= {field} ({max_tokens})",
+                f"min_tokens ({min_tokens}) must be <= {field} "
+                f"({asked if asked is not None else max_tokens})",
                 "invalid_value",
                 "min_tokens",
             )

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, Strict, field_validator, model_validator
 
 from deployments.config import _Strict
-from specdec.sampling import MAX_LOGPROBS
+from specdec.sampling import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
 TokenId = Annotated[int, Strict()]  # `true` is not token 1
 MAX_STOP_TOKEN_IDS = 64
@@ -99,10 +99,10 @@ class _SamplingFields(_Strict):
     )
     repetition_penalty: float | None = Field(
         default=1.0,
-        gt=0.0,
+        ge=MIN_REPETITION_PENALTY,
         le=2.0,
-        description="Divide positive (multiply negative) logits of tokens already in the "
-        "prompt or output by this; 1 or null: none.",
+        description=f"Divide positive (multiply negative) logits of tokens already in the "
+        f"prompt or output by this, in [{MIN_REPETITION_PENALTY}, 2]; 1 or null: none.",
     )
     frequency_penalty: float | None = Field(
         default=0.0,

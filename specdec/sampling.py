@@ -18,6 +18,8 @@ import torch
 # distribution that sharp is a point mass at the argmax for every practical purpose.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit)
+# Below this, dividing a logit by the repetition penalty can overflow float32 to inf.
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # History-dependent processing (specdec.penalties), applied to raw logits before the
     # transform above, on the target and the draft alike.
-    repetition_penalty: float = 1.0  # > 0; 1 disables
+    repetition_penalty: float = 1.0  # in [MIN_REPETITION_PENALTY, 2]; 1 disables
     frequency_penalty: float = 0.0  # in [-2, 2]
     presence_penalty: float = 0.0  # in [-2, 2]
     min_tokens: int = 0  # no stop token before this many output tokens
@@ -104,8 +106,12 @@ class SamplingParams:
                 f"got {self.prompt_logprobs!r}"
             )
         rp = self.repetition_penalty
-        if not isinstance(rp, int | float) or not (math.isfinite(rp) and 0 < rp <= 2):
-            errors.append(f"repetition_penalty must be in (0, 2], got {rp!r}")
+        if not isinstance(rp, int | float) or not (
+            math.isfinite(rp) and MIN_REPETITION_PENALTY <= rp <= 2
+        ):
+            errors.append(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], got {rp!r}"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not (math.isfinite(v) and -2 <= v <= 2):

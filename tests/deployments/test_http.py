@@ -596,6 +596,9 @@ UNSUPPORTED = [
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    # Found by review: logits / 1e-300 overflow to inf, NaN probabilities, a failed round.
+    ("/v1/completions", {"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ("/v1/completions", {"echo": True, "max_tokens": 0, "min_tokens": 1}, "min_tokens"),
     ("/v1/completions", {"min_tokens": 3}, "min_tokens"),  # more than max_tokens 2
     ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"stop_token_ids": [10**9]}, "stop_token_ids"),
@@ -819,6 +822,7 @@ def hostile_body(draw, chat: bool):
             st.one_of(HOSTILE_TEXT, st.lists(HOSTILE_INTS, min_size=0, max_size=4))
         )
     fields = ["temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs", "user"]
+    fields += ["repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens"]
     fields += ["top_logprobs", "max_completion_tokens"] if chat else ["echo"]
     for name in draw(st.lists(st.sampled_from(fields), unique=True, max_size=4)):
         body[name] = draw(HOSTILE_VALUES)

@@ -108,10 +108,13 @@ def test_greedy_speculative_with_penalties_equals_autoregressive(target, draft_p
     plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     changed = drafted = accepted = 0
     for prompt in PROMPTS:
-        ref = generate_autoregressive(target, prompt, params, eos_token_id=0)
-        spec = generate_speculative(target, draft_proposer, prompt, params, 4, eos_token_id=0)
+        unpenalised = generate_autoregressive(target, prompt, plain).token_ids
+        eos = unpenalised[2]  # plain greedy would stop at its third token
+        ref = generate_autoregressive(target, prompt, params, eos_token_id=eos)
+        spec = generate_speculative(target, draft_proposer, prompt, params, 4, eos_token_id=eos)
         assert spec.token_ids == ref.token_ids
-        changed += ref.token_ids != generate_autoregressive(target, prompt, plain).token_ids
+        assert len(ref.token_ids) >= params.min_tokens  # min_tokens held the EOS back
+        changed += ref.token_ids != unpenalised
         drafted += spec.num_drafted
         accepted += spec.num_accepted
     assert changed and 0 < accepted < drafted
