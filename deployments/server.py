@@ -50,6 +50,7 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
     app = FastAPI(title="SpecServe", version="0.1.0", description=__doc__)
     serving = OpenAIServing(config, engine, tokenizer)
     created = int(time.time())
+    root = config.engine.target.model
 
     # ----- errors and limits -------------------------------------------------------------
 
@@ -128,7 +129,7 @@ def create_app(config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
     async def models():
-        return ModelList(data=[ModelCard(id=serving.model_name, created=created)])
+        return ModelList(data=[ModelCard(id=serving.model_name, created=created, root=root)])
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():
