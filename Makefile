@@ -3,8 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The benchmark and evaluation clients tests/clients/ runs against a live server.
+CLIENTS := .venv-clients
+CLIENTS_STAMP := $(CLIENTS)/.installed
 
-.PHONY: serve test lint down clean bench-peers monitoring-tools observe
+.PHONY: serve test lint down clean bench-peers monitoring-tools observe clients
 
 # Create the virtualenv and install the project (+ dev tools) once; reinstall when
 # pyproject.toml changes. torch==2.13.0 resolves to the CPU wheel on our machines.
@@ -14,6 +17,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --progress-bar off -e '.[dev]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -c "import torch, transformers, ray, specdec"
 	touch $(STAMP)
+
+# GuideLLM, AIPerf and lm-eval (tests/clients/requirements.txt) in a virtualenv of their
+# own: their pins (huggingface_hub 1.x, older click, rich, prometheus_client) would break
+# .venv. Reinstalled when the requirements change.
+$(CLIENTS_STAMP): tests/clients/requirements.txt
+	test -x $(CLIENTS)/bin/python || $(PY) -m venv $(CLIENTS)
+	$(CLIENTS)/bin/pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
+	$(CLIENTS)/bin/pip install --quiet --progress-bar off -r tests/clients/requirements.txt 2>&1 \
+		| grep -v "is ignored" || true
+	$(CLIENTS)/bin/python -c "import guidellm, aiperf, lm_eval, tenacity"
+	touch $(CLIENTS_STAMP)
+
+clients: $(CLIENTS_STAMP)
 
 # promtool (Debian's `prometheus` package) checks and unit-tests monitoring/prometheus/ in
 # tests/monitoring/test_alert_rules.py; Alertmanager receives the alerts (`make observe`).
@@ -31,7 +47,7 @@ monitoring-tools:
 		$(APT_INSTALL) $$missing || { $(SUDO) apt-get update && $(APT_INSTALL) $$missing; }; \
 	fi
 
-test: $(STAMP) monitoring-tools
+test: $(STAMP) $(CLIENTS_STAMP) monitoring-tools
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
@@ -71,4 +87,4 @@ down:
 	-$(BIN)/ray stop
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CLIENTS) .pytest_cache .ruff_cache

@@ -587,6 +587,9 @@ class OpenAIServing:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # vLLM's continuous usage: only together with include_usage, on every chunk that
+        # carries a choice: that choice's prompt and the tokens it has generated so far.
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
 
         def chunk(parts: list[dict], extra: dict | None = None) -> str:
             body = {
@@ -600,6 +603,16 @@ class OpenAIServing:
             return f"data: {json.dumps(body)}\n\n"
 
         token_end = {c.index: len(c.echo) for c in choices}  # next token's text_offset
+
+        def so_far(c: _Choice, out: RequestOutput | None) -> dict | None:
+            if not continuous:
+                return None
+            prompt, done = (
+                len(c.prompt_ids),
+                out.num_output_tokens if out and not c.score_only else 0,
+            )
+            usage = Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+            return {"usage": usage.model_dump()}
 
         def piece(c: _Choice, out: RequestOutput | None, text: str):
             if chat:
@@ -622,7 +635,7 @@ class OpenAIServing:
             done = {"index": c.index, "finish_reason": reason}
             done.update({"delta": {}} if chat else {"text": "", "logprobs": None})
             report = self.report(last, args, c.params).model_dump()
-            return chunk([done], {"speculation": report})
+            return chunk([done], {"speculation": report, **(so_far(c, last) or {})})
 
         # Each choice's outputs are pumped into one queue, so choices stream as they come.
         queue: asyncio.Queue = asyncio.Queue()
@@ -652,7 +665,8 @@ class OpenAIServing:
             if chat:
                 role = {"role": "assistant", "content": ""}
                 for c in choices:
-                    yield chunk([{"index": c.index, "delta": role, "finish_reason": None}])
+                    part = {"index": c.index, "delta": role, "finish_reason": None}
+                    yield chunk([part], so_far(c, None))
             # The echo goes first; with prompt logprobs it waits for the first output,
             # which carries them.
             unechoed = set()
@@ -660,7 +674,7 @@ class OpenAIServing:
                 if c.params.prompt_logprobs is not None:
                     unechoed.add(c.index)
                 elif c.echo:
-                    yield chunk([piece(c, None, c.echo)])
+                    yield chunk([piece(c, None, c.echo)], so_far(c, None))
             tasks = [asyncio.create_task(pump(c)) for c in choices]
             open_choices = len(choices)
             while open_choices:
@@ -679,7 +693,7 @@ class OpenAIServing:
                 lasts[c.index] = item
                 text = item.text or ""
                 if (text or item.logprobs) and not c.score_only:
-                    yield chunk([piece(c, item, text)])
+                    yield chunk([piece(c, item, text)], so_far(c, item))
         except Exception as exc:  # the response has begun: an error event, then the end
             if not isinstance(exc, APIError):
                 logger.exception("stream %s failed", rid)

@@ -37,6 +37,12 @@ class StreamOptions(_Strict):
         default=False,
         description="Send a last chunk with `choices: []` and the request's usage.",
     )
+    continuous_usage_stats: bool | None = Field(
+        default=False,
+        description="With include_usage: every chunk with choices also carries `usage` so "
+        "far (its choice's prompt tokens and the tokens generated until then), as vLLM "
+        "sends it (GuideLLM asks for it).",
+    )
 
 
 def _empty_only(what: str):
@@ -345,6 +351,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    root: str = Field(
+        description="The target model it serves (hub id or path), as vLLM reports it: "
+        "`vllm bench serve` without --model reads it."
+    )
 
 
 class ModelList(BaseModel):

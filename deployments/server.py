@@ -113,6 +113,7 @@ def create_app(
     app = FastAPI(title="SpecServe", version="0.1.0", description=__doc__)
     serving = OpenAIServing(config, engine, tokenizer)
     created = int(time.time())
+    root = config.engine.target.model
 
     # ----- errors and limits -------------------------------------------------------------
 
@@ -183,7 +184,7 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
     async def models():
-        return ModelList(data=[ModelCard(id=serving.model_name, created=created)])
+        return ModelList(data=[ModelCard(id=serving.model_name, created=created, root=root)])
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():

@@ -75,6 +75,8 @@ def tokenizer():
 
 def test_models_and_health(base_url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # vLLM's fields: `vllm bench serve` without --model reads data[0]["root"]
+    assert client.models.list().data[0].model_extra["root"] == DEMO_TARGET
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ok" and health["target"] and health["draft"]
     kv = health["kv_cache"]  # the target's slots, allocated once at startup
@@ -705,6 +707,43 @@ def test_max_completion_tokens_and_stream_usage(client):
     )
     plain = list(client.chat.completions.create(max_completion_tokens=5, stream=True, **kw))
     assert all(c.choices for c in plain)  # no usage chunk unless asked for
+
+
+def test_continuous_usage_stats_as_guidellm_and_aiperf_ask(base_url, tokenizer):
+    """vLLM's ``stream_options.continuous_usage_stats`` (GuideLLM always sends it, AIPerf
+    with --per-chunk-usage): with ``include_usage`` every chunk that carries a choice also
+    carries the usage so far; without it, none does (as vLLM)."""
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in [
+        ("/v1/completions", {**COMPLETION, "prompt": prompt_ids, "logprobs": 0}),
+        ("/v1/chat/completions", CHAT),
+    ]:
+        body = {**body, "max_tokens": 12, "ignore_eos": True, "stream": True}
+        r = post(base_url, path, {**body, "stream_options": both})
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[:7] == "data: {"]
+        parts = [c for c in chunks if c["choices"]]
+        assert parts and all("usage" in c for c in parts)
+        prompt = parts[0]["usage"]["prompt_tokens"]
+        seen = 0  # tokens the chunks have carried so far (completions: their logprobs)
+        for c in parts:
+            usage, choice = c["usage"], c["choices"][0]
+            assert usage["prompt_tokens"] == prompt
+            assert usage["total_tokens"] == prompt + usage["completion_tokens"]
+            if "text" in choice and choice["logprobs"]:
+                seen += len(choice["logprobs"]["tokens"])
+                assert usage["completion_tokens"] == seen
+        if "chat" in path:
+            assert parts[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert parts[0]["usage"]["completion_tokens"] == 0
+        else:
+            assert prompt == len(prompt_ids) and seen == 12
+        assert parts[-1]["usage"]["completion_tokens"] == 12
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == parts[-1]["usage"]
+        r = post(base_url, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[:7] == "data: {"]
+        assert r.status_code == 200 and chunks and all("usage" not in c for c in chunks)
 
 
 @pytest.fixture(scope="module")
