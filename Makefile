@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CLIENTS := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 
-.PHONY: serve test lint down clean bench-peers monitoring-tools observe clients
+.PHONY: serve test lint down clean bench-peers bench-serve monitoring-tools observe clients
 
 # Create the virtualenv and install the project (+ dev tools) once; reinstall when
 # pyproject.toml changes. torch==2.13.0 resolves to the CPU wheel on our machines.
@@ -81,6 +81,10 @@ observe: serve monitoring-tools
 # SpecServe against transformers plain and assisted generation on the same pair, batch 1.
 bench-peers: $(STAMP)
 	$(BIN)/python -m bench.peers
+
+# Latency against request rate, speculation on and off, driven by GuideLLM (bench/serving.py).
+bench-serve: $(STAMP) $(CLIENTS_STAMP)
+	$(BIN)/python -m bench.serving
 
 down:
 	-$(BIN)/serve shutdown -y

@@ -169,6 +169,8 @@ def main() -> None:
     from deployments.app import build_app
     from tests.conftest import free_port
 
+    # The ingress make serve uses (Serve reads the setting when Ray starts).
+    os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
