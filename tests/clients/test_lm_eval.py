@@ -127,10 +127,11 @@ def test_multiple_choice_loglikelihoods_are_the_targets(server_url, tmp_path, to
         args = [s["arguments"][f"gen_args_{i}"] for i in range(len(s["resps"]))]
         for arg, resp in zip(args, s["resps"], strict=True):
             context, continuation = arg["arg_0"], arg["arg_1"]
-            loglik, is_greedy = resp[0]
+            # lm-eval's sample log writes each response as strings: ["-1.95...", "False"]
+            loglik, is_greedy = float(resp[0][0]), resp[0][1]
             ref = reference_loglikelihood(model, tokenizer, context, continuation)
             assert loglik == pytest.approx(ref, abs=1e-3), (context, continuation)
-            assert loglik < 0 and isinstance(is_greedy, bool)
+            assert loglik < 0 and str(is_greedy) in ("True", "False")
             logliks.append(loglik)
         correct += max(range(len(logliks)), key=logliks.__getitem__) == s["doc"]["answer"]
     assert acc == pytest.approx(correct / len(rows))
