@@ -192,8 +192,15 @@ def test_drift_alert_fires_in_alertmanager_lowers_k_and_resolves(drift_app):
         status = monitor.status.remote().result()["domains"][DOMAIN]
         figures["baseline"] = status["baseline"]
         assert not firing(stack), "an alert fired on in-control traffic"
-        k_before = stack.query(f'max(specserve_speculation_k{{domain="{DOMAIN}"}})')
-        figures["k_before"] = float(k_before[0]["value"][1]) if k_before else None
+
+        def k_gauge() -> float | None:
+            got = stack.query(f'max(specserve_speculation_k{{domain="{DOMAIN}"}})')
+            return float(got[0]["value"][1]) if got else None
+
+        # The policy's k is timing-driven: on a loaded machine one reading can catch a
+        # round where no k paid. Wait (bounded) for the in-control domain to speculate.
+        wait_for(lambda: (k_gauge() or 0) >= 1, 60, "the policy to speculate in control")
+        figures["k_before"] = k_gauge()
 
         traffic.domain = "prose"  # the shift
         t_shift = time.monotonic()
