@@ -406,29 +406,24 @@ class EngineCore:
                 feeds.append(state.token_ids if not output else state.token_ids[:-1])
             ids = [seq.seq_id for seq in seqs]
             fresh = [i for i, seq in enumerate(seqs) if not seq.state.output_token_ids]
-            # Rows that score their prompt need every position's logits; the others only
-            # the last, so they run apart: [batch, vocab] for all, [prompt] lists for some.
+            # Rows that score their prompt need every position's logits (chunk by chunk,
+            # _score_prompt); the others only the last, in one batched pass.
             scoring = [i for i in fresh if seqs[i].state.params.prompt_logprobs is not None]
-            prompt_lps: dict[int, list] = {}
             rest = [i for i in range(len(seqs)) if i not in scoring]
-            logits = None
+            prompt_lps: dict[int, list] = {}
+            last: list = [None] * len(seqs)  # per row: [vocab] logits after its feed
             if rest:
-                logits = self.runner.forward_padded(
+                batched = self.runner.forward_padded(
                     [ids[i] for i in rest], [feeds[i] for i in rest], last_only=True
+                )  # [len(rest), vocab]
+                for r, i in enumerate(rest):
+                    last[i] = batched[r]
+            for i in scoring:
+                last[i], prompt_lps[i] = self._score_prompt(
+                    ids[i], feeds[i], seqs[i].state.params.prompt_logprobs
                 )
-            if scoring:
-                lasts = []
-                for i in scoring:
-                    last_i, prompt_lps[i] = self._score_prompt(
-                        ids[i], feeds[i], seqs[i].state.params.prompt_logprobs
-                    )
-                    lasts.append(last_i)
-                last = torch.stack(lasts)  # [s, vocab]
-                parts = [last] if logits is None else [logits, last]
-                order = rest + scoring
-                logits = torch.cat(parts)[
-                    torch.tensor([order.index(i) for i in range(len(seqs))], device=last.device)
-                ]  # [batch, vocab] back in batch order
+            # [batch, vocab]: the batched pass itself unless scoring rows joined it
+            logits = torch.stack(last) if scoring else batched
             firsts = (
                 sample_next(
                     logits[fresh],
