@@ -139,11 +139,12 @@ def sample_next(
 
     ``histories``: per row ``(prompt ids, output ids)``, for rows whose params need them.
     """
-    if histories is not None and any(needs_history(sp) for sp in params):
-        last_logits = last_logits.float().clone()
-        for i, (sp, (prompt, output)) in enumerate(zip(params, histories, strict=True)):
-            if needs_history(sp):
-                last_logits[i] = apply_history(last_logits[i : i + 1], sp, prompt, output)[0]
+    if histories is not None:  # one position per row, no drafts: as a verification pass
+        rows = [
+            VerifyRow(sp, [], None, None, prompt, output)
+            for sp, (prompt, output) in zip(params, histories, strict=True)
+        ]
+        last_logits = _with_history(last_logits[:, None], rows)[:, 0]  # [batch, vocab]
     out = last_logits.argmax(dim=-1).tolist()
     for i, sp in enumerate(params):
         if not sp.is_greedy:
