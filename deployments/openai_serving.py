@@ -229,6 +229,7 @@ class OpenAIServing:
         max_tokens = asked if asked is not None else min(self.config.default_max_tokens, room)
         # max_tokens 0 (echo only): the prompt is scored by the prefill, which also makes
         # one token; the response leaves that token out (see _Choice.score_only).
+        asked_max = max_tokens  # what min_tokens is checked against (0 with echo)
         max_tokens = max(max_tokens, 1)
         if prompt_len + max_tokens > context:  # (the engine checks it too, without the name)
             raise bad_request(
@@ -238,10 +239,9 @@ class OpenAIServing:
                 field,
             )
         min_tokens = req.min_tokens or 0
-        if min_tokens > (asked if asked is not None else max_tokens):
+        if min_tokens > asked_max:
             raise bad_request(
-                f"min_tokens ({min_tokens}) must be <= {field} "
-                f"({asked if asked is not None else max_tokens})",
+                f"min_tokens ({min_tokens}) must be <= {field} ({asked_max})",
                 "invalid_value",
                 "min_tokens",
             )
@@ -367,28 +367,25 @@ class OpenAIServing:
         themselves (the echoed prompt first): the released text may lag behind them while
         a stop string could still complete, so it cannot be the reference.
         """
-        offset = acc["_end"]
-        for tok, (lp, top) in zip(out.new_token_ids, out.logprobs or [], strict=False):
-            text = self._token_text(tok)
-            acc["tokens"].append(text)
-            acc["token_logprobs"].append(lp)
-            acc["top_logprobs"].append({self._token_text(i): v for i, v in top})
-            acc["text_offset"].append(offset)
-            offset += len(text)
-        acc["_end"] = offset
-        return acc
+        return self._append_logprobs(acc, out.new_token_ids, out.logprobs or [])
 
     def prompt_completion_logprobs(
         self, prompt_ids: list[int], first: RequestOutput | None
     ) -> dict[str, Any]:
         """A completions-logprobs record that starts with the prompt's tokens (echo with
         logprobs): the first one's logprob and alternatives are null, nothing precedes it."""
-        acc = self.new_completion_logprobs(0)
         scored = (first.prompt_logprobs if first is not None else None) or []
-        offset = 0
-        for j, tok in enumerate(prompt_ids):
+        scored = [(None, None), *scored, *[(None, None)] * (len(prompt_ids) - 1 - len(scored))]
+        return self._append_logprobs(self.new_completion_logprobs(0), prompt_ids, scored)
+
+    def _append_logprobs(
+        self, acc: dict[str, Any], token_ids: list[int], scored: list[tuple]
+    ) -> dict[str, Any]:
+        """Append each token with its ``(logprob, [(id, logprob), ...])`` (``(None, None)``:
+        nothing to report) to ``acc``; offsets continue from ``acc["_end"]``."""
+        offset = acc["_end"]
+        for tok, (lp, top) in zip(token_ids, scored, strict=False):
             text = self._token_text(tok)
-            lp, top = scored[j - 1] if 0 < j <= len(scored) else (None, None)
             acc["tokens"].append(text)
             acc["token_logprobs"].append(lp)
             acc["top_logprobs"].append(
@@ -531,7 +528,7 @@ class OpenAIServing:
             await c.gen.aclose()
         choice: dict[str, Any] = {
             "index": c.index,
-            "finish_reason": last.finish_reason if last and not c.score_only else "length",
+            "finish_reason": c.finish_reason(last),
         }
         if chat:
             choice["message"] = {"content": text}
@@ -631,8 +628,7 @@ class OpenAIServing:
             return part
 
         def end(c: _Choice, last) -> str:
-            reason = last.finish_reason if last and not c.score_only else "length"
-            done = {"index": c.index, "finish_reason": reason}
+            done = {"index": c.index, "finish_reason": c.finish_reason(last)}
             done.update({"delta": {}} if chat else {"text": "", "logprobs": None})
             report = self.report(last, args, c.params).model_dump()
             return chunk([done], {"speculation": report, **(so_far(c, last) or {})})
@@ -726,6 +722,10 @@ class _Choice:
     gen: Any = None  # the engine's output stream, once started
     first: RequestOutput | None = None
     started: bool = False  # ``first`` was awaited (a stream awaits the first choice's only)
+
+    def finish_reason(self, last: RequestOutput | None) -> str:
+        """``last``'s reason; "length" without one, or when only the prompt is returned."""
+        return last.finish_reason if last is not None and not self.score_only else "length"
 
 
 async def _stop(tasks: list[asyncio.Task], choices: list[_Choice]) -> None:
