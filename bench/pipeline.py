@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from bench.common import write_result
 from deployments.config import EngineConfig
-from deployments.engine import SpecEngine
+from deployments.frontend.engine_client import EngineClient
 from specdec.demo.corpus import read_jsonl
 from specdec.sampling import SamplingParams
 
@@ -50,7 +50,7 @@ def engine_config(mode: str, k: int, max_num_seqs: int, transport: str = "actor"
 
 
 async def run_load(
-    engine: SpecEngine, prompts, concurrency: int, requests: int, params, speculation: bool
+    engine: EngineClient, prompts, concurrency: int, requests: int, params, speculation: bool
 ):
     await engine.round_timings(reset=True)
     queue = list(range(requests))
@@ -105,7 +105,7 @@ async def bench(args) -> dict:
     results: dict = {}
     # Both engines stay up; runs alternate so that each sees the same machine load.
     engines = {
-        mode: SpecEngine(engine_config(mode, args.k, max(args.concurrency)))
+        mode: EngineClient(engine_config(mode, args.k, max(args.concurrency)))
         for mode in ("sequential", "overlap")
     }
     for engine in engines.values():
@@ -125,7 +125,7 @@ async def bench(args) -> dict:
                 )
                 print(c, name, results[str(c)][name]["tokens_per_s"], flush=True)
             if args.compiled_graph:
-                graph = SpecEngine(
+                graph = EngineClient(
                     engine_config("overlap", args.k, max(args.concurrency), "compiled_graph")
                 )
                 await graph.start()

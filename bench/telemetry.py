@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from bench.common import median, write_result
 from bench.pipeline import MODELS, engine_config, run_load
-from deployments.engine import SpecEngine
+from deployments.frontend.engine_client import EngineClient
 from monitoring.monitor import Monitor
 from specdec.demo.corpus import read_jsonl
 from specdec.sampling import SamplingParams
@@ -49,8 +49,8 @@ async def bench(args) -> dict:
     monitor = Monitor(MeterProvider(metric_readers=[reader]), LoggerProvider())
     cfg = engine_config("overlap", args.k, max(args.concurrency))
     engines = {
-        "with": SpecEngine(cfg, telemetry=make_sink(monitor), flush_interval_s=0.5),
-        "without": SpecEngine(cfg),
+        "with": EngineClient(cfg, telemetry=make_sink(monitor), flush_interval_s=0.5),
+        "without": EngineClient(cfg),
     }
     for e in engines.values():
         await e.start()

@@ -22,11 +22,11 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from deployments.api_keys import KeyStore
 from deployments.config import AppConfig, EngineConfig
-from deployments.engine import SpecEngine
+from deployments.frontend.engine_client import EngineClient
+from deployments.openai.api_keys import KeyStore
+from deployments.openai.server import create_app
 from deployments.placement import placement_for, replica_actor_options
-from deployments.server import create_app
 from monitoring.deployment import MonitorDeployment
 from monitoring.domains import DomainResolver
 from specdec.attention import UnsupportedModelError, attention_layout
@@ -97,7 +97,7 @@ class SpecServeDeployment:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.monitor = monitor
         self.domains = DomainResolver(self.config.monitoring)  # for handle calls
-        self.engine = SpecEngine(
+        self.engine = EngineClient(
             self.config.engine,
             placement_group=pg,
             tokenizer=self.tokenizer,

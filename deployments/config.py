@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from monitoring.drift import DriftConfig
+from monitoring.config import MonitoringConfig
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -346,87 +346,6 @@ class EngineConfig(_Strict):
         return self.served_model_name or self.target.model.rstrip("/").split("/")[-1]
 
 
-class MonitoringConfig(_Strict):
-    """The monitor deployment: metrics, drift detection and alerts for the whole app."""
-
-    enabled: bool = Field(
-        default=True,
-        description="Run the monitor deployment and send it every replica's round records.",
-    )
-    prometheus_port: int | None = Field(
-        default=9464,
-        ge=1,
-        le=65535,
-        description="Port of the monitor's Prometheus scrape endpoint (one per app: only the "
-        "monitor serves it, so replicas never clash); None: no endpoint (OTLP only).",
-    )
-    prometheus_host: str = Field(
-        default="127.0.0.1",
-        description="Address the scrape endpoint listens on: loopback by default (it has "
-        "no authentication); a node's private address when Prometheus runs elsewhere.",
-    )
-    flush_interval_s: float = Field(
-        default=1.0,
-        gt=0.0,
-        le=60.0,
-        description="How often each replica sends its round records to the monitor.",
-    )
-    domain_source: Literal["none", "user", "metadata", "header"] = Field(
-        default="metadata",
-        description="Where a request's traffic domain comes from: the OpenAI 'user' field, "
-        "the 'metadata' key named by domain_key, or the HTTP header named by domain_key; "
-        "'none' puts every request in default_domain.",
-    )
-    domain_key: str = Field(
-        default="domain",
-        min_length=1,
-        max_length=64,
-        description="The metadata key or header name that carries the domain.",
-    )
-    default_domain: str = Field(
-        default="default",
-        min_length=1,
-        max_length=64,
-        description="The global key: the domain of requests that name none.",
-    )
-    domains: list[str] | None = Field(
-        default=None,
-        description="Known domains (the allow-list); others go to overflow_domain. None: "
-        "any name is accepted until max_domains are in use (first come, never expiring), "
-        "later ones go to overflow_domain. Set it when clients are not trusted: they "
-        "choose their domain names (see monitoring/README.md, Domains).",
-    )
-    max_domains: int = Field(
-        default=64,
-        ge=1,
-        le=10_000,
-        description="Most distinct domains tracked per replica (and label values per metric).",
-    )
-    overflow_domain: str = Field(
-        default="__overflow__", description="Where unknown domains and those past the cap go."
-    )
-    cardinality_limit: int = Field(
-        default=2000,
-        ge=10,
-        description="Label sets per instrument before the SDK folds new ones into its "
-        "overflow series (otel.metric.overflow=true).",
-    )
-    otlp_endpoint: str | None = Field(
-        default=None,
-        description="Optional OTLP/HTTP base URL (e.g. http://collector:4318) for metrics and "
-        "the drift log records; without it OTEL_EXPORTER_OTLP_ENDPOINT in the monitor's "
-        "environment is used when set.",
-    )
-    alertmanager_url: str | None = Field(
-        default=None,
-        description="Optional: also push drift alerts straight to this Alertmanager "
-        "(v2 API, e.g. http://127.0.0.1:9093) on firing and on resolve.",
-    )
-    drift: DriftConfig = Field(
-        default_factory=DriftConfig, description="The per-domain CUSUM drift detector."
-    )
-
-
 # RFC 6750's b64token, the syntax of a bearer token: keys that fit it travel in any HTTP
 # client's Authorization header unchanged, and never contain the ':', ',', '#' or
 # whitespace that the name:key[:limit] list format (SPECSERVE_API_KEYS, api_keys_file) uses.
@@ -558,7 +477,7 @@ class AppConfig(_Strict):
     @model_validator(mode="after")
     def _unique_keys(self) -> AppConfig:
         """The keys written here; those of the environment and of api_keys_file are
-        checked with them when a replica starts (deployments/api_keys.py)."""
+        checked with them when a replica starts (deployments/openai/api_keys.py)."""
         single = (
             [ApiKey(name=DEFAULT_KEY_NAME, key=self.api_key)] if self.api_key is not None else []
         )

@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 
 from monitoring.alertmanager import AlertmanagerPush
+from monitoring.config import MonitoringConfig
 from monitoring.metrics import RequestRecord, RoundBatch
 from monitoring.monitor import Monitor, build_providers
 
@@ -35,8 +36,6 @@ class MonitorDeployment:
     """Records every replica's flushes; see the module docstring."""
 
     def __init__(self, config: dict[str, Any]):
-        from deployments.config import MonitoringConfig
-
         self.config = MonitoringConfig.model_validate(config)
         meter_provider, logger_provider, _ = build_providers(
             self.config.prometheus_port,

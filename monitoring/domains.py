@@ -24,7 +24,7 @@ class DomainResolver:
     """Maps a request's ``user`` / ``metadata`` / headers to a bounded set of domains."""
 
     def __init__(self, config: BaseModel):
-        # config: deployments.config.MonitoringConfig (domain_source, domain_key,
+        # config: monitoring.config.MonitoringConfig (domain_source, domain_key,
         # default_domain, domains, max_domains, overflow_domain)
         self.source = config.domain_source
         self.key = config.domain_key

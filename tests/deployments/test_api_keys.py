@@ -6,7 +6,8 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
-from deployments.api_keys import (
+from deployments.config import ApiKey, AppConfig
+from deployments.openai.api_keys import (
     ConcurrencyLimiter,
     ConcurrencyLimitExceeded,
     KeyStore,
@@ -14,7 +15,6 @@ from deployments.api_keys import (
     collect_keys,
     parse_key_list,
 )
-from deployments.config import ApiKey, AppConfig
 from tests.conftest import ROOT
 
 ENGINE = {"target": {"model": "models/demo-target"}}

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from deployments.detokenizer import IncrementalDetokenizer
+from deployments.frontend.detokenizer import IncrementalDetokenizer
 from tests.conftest import DEMO_TARGET
 
 TEXT = (

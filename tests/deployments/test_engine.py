@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from deployments.config import EngineConfig
-from deployments.engine import EngineError, SpecEngine
+from deployments.frontend.engine_client import EngineClient, EngineError
 from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
@@ -65,7 +65,7 @@ async def collect(engine, prompt, params, **kw):
 
 
 async def with_engine(cfg, body):
-    engine = SpecEngine(cfg)
+    engine = EngineClient(cfg)
     await engine.start()
     try:
         return await body(engine)
@@ -727,7 +727,7 @@ def test_draft_with_more_embedding_rows_speculates_over_the_shared_ids(
     model.save_pretrained(padded)
 
     async def go():
-        engine = SpecEngine(config(tiny_target, str(padded)))
+        engine = EngineClient(config(tiny_target, str(padded)))
         await engine.start()
         try:
             assert engine.draft_info["vocab_size"] == rows + 8
@@ -747,7 +747,7 @@ def test_draft_with_more_embedding_rows_speculates_over_the_shared_ids(
 
 def test_a_worker_that_cannot_load_fails_the_start_with_its_reason(ray_local, tiny_target):
     async def start():
-        engine = SpecEngine(config(tiny_target, "/nonexistent/draft-model"))
+        engine = EngineClient(config(tiny_target, "/nonexistent/draft-model"))
         with pytest.raises(EngineError, match=r"the draft worker \(/nonexistent/draft-model\)"):
             await engine.start()
         return engine
@@ -823,7 +823,7 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
         return results, after, (before, mid), paused, (tokens, resumed), await held_after(engine)
 
     async def run():
-        engine = SpecEngine(cfg, telemetry=sink, flush_interval_s=0.2, replica="r")
+        engine = EngineClient(cfg, telemetry=sink, flush_interval_s=0.2, replica="r")
         await engine.start()
         try:
             return await body(engine)

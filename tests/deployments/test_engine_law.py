@@ -50,7 +50,7 @@ from transformers import AutoModelForCausalLM
 
 import specdec.verify
 from deployments.config import EngineConfig
-from deployments.engine import SpecEngine
+from deployments.frontend.engine_client import EngineClient
 from specdec.generate import generate_autoregressive
 from specdec.proposers import DraftModelProposer
 from specdec.rejection import rejection_sample
@@ -140,7 +140,7 @@ def workload() -> list[Job]:
 # ---------------------------------------------------------------------------------------
 
 
-async def _collect(engine: SpecEngine, job: Job) -> Sample:
+async def _collect(engine: EngineClient, job: Job) -> Sample:
     """Stream one request. After the prefill token every streamed output is one round, and
     the stats are running totals, so their differences give each round's counts."""
     sample, last = Sample(job), (0, 0, 0, 0)
@@ -189,7 +189,7 @@ def engine_run(request, ray_local, tiny_target, tiny_draft):
     jobs = workload()
 
     async def body():
-        engine = SpecEngine(cfg)
+        engine = EngineClient(cfg)
         await engine.start()
         try:
             t0 = time.monotonic()

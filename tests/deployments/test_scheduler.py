@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from deployments.draft_link import DraftLink
-from deployments.drafting import GIVE_UP
-from deployments.scheduler import PAUSE_AFTER_ROUNDS, RunningSeq, Scheduler
+from deployments.core.draft_link import DraftLink
+from deployments.core.scheduler import PAUSE_AFTER_ROUNDS, RunningSeq, Scheduler
+from deployments.workers.drafting import GIVE_UP
 from specdec.policy import SpeculationLength
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState

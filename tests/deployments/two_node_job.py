@@ -9,7 +9,7 @@ import ray
 from ray.util.placement_group import placement_group
 
 from deployments.config import EngineConfig
-from deployments.engine import SpecEngine
+from deployments.frontend.engine_client import EngineClient
 from deployments.placement import placement_for
 from specdec.sampling import SamplingParams
 
@@ -29,7 +29,7 @@ async def main(address: str, target: str, draft: str) -> None:
     placement = placement_for(cfg)
     pg = placement_group(placement.bundles, strategy=placement.strategy)
     await pg.ready()
-    engine = SpecEngine(cfg, placement_group=pg)
+    engine = EngineClient(cfg, placement_group=pg)
     await engine.start()
     tokens, stats = [], None
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

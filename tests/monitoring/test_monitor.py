@@ -206,7 +206,7 @@ def test_policy_choices_become_gauges(monitor):
 
 
 def test_core_telemetry_is_bounded_and_drains():
-    from deployments.round_stats import Telemetry
+    from deployments.core.round_stats import Telemetry
 
     t = Telemetry(max_rounds=5)
     for i in range(4):

@@ -1,6 +1,6 @@
 """What a draft does with the core's round messages, wherever the draft runs.
 
-The draft actor (:class:`deployments.workers.DraftWorker`) and a draft colocated in the
+The draft actor (:class:`deployments.workers.draft_worker.DraftWorker`) and a draft colocated in the
 core's process apply the same message items to a
 :class:`~specdec.speculation_cache.SpeculativeDrafter` and draft the same way, so they
 propose the same tokens (seeded rows draw the same numbers) and fail the same way: a
@@ -43,7 +43,8 @@ class DraftRounds:
     def apply(
         self, first: bool, items: list[tuple], freed: list[Hashable]
     ) -> tuple[list[Hashable], list[int], dict[Hashable, tuple], list[tuple]]:
-        """Take a message's frees and items (see :mod:`deployments.core` for the format).
+        """Take a message's frees and items (see :mod:`deployments.core.engine_core` for the
+        format).
 
         Returns the rows to draft, their k, the guess each drafts for (what the round
         committed), and items for rows the draft lost track of or gave up on."""

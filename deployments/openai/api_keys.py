@@ -1,6 +1,6 @@
 """API keys: whose a bearer key is, and how many of that client's requests may run at once.
 
-Pure (no Ray, no HTTP framework), so that it is tested on its own; ``deployments/server.py``
+Pure (no Ray, no HTTP framework), so that it is tested on its own; ``deployments/openai/server.py``
 puts it in front of ``/v1/*``.
 
 The store keeps SHA-256 digests, never the keys. A presented key is hashed and compared

@@ -12,9 +12,9 @@ sequences lives here, in the target's process, not in the Serve replica. A round
    sender thread so the loop never pays for Ray's call path) and publish the committed
    tokens to the frontend, which long-polls :meth:`EngineCore.get_outputs`.
 
-The loop is the one that executes; it asks the :class:`~deployments.scheduler.Scheduler`
+The loop is the one that executes; it asks the :class:`~deployments.core.scheduler.Scheduler`
 what to run (admission on free KV slots, draft lengths) and talks to the draft through
-the :class:`~deployments.draft_link.DraftLink`. Admissions and aborts arrive as messages
+the :class:`~deployments.core.draft_link.DraftLink`. Admissions and aborts arrive as messages
 between rounds. Every call into this actor runs
 in a concurrency group of its own (control, push, poll), so a long-poll never blocks a
 push, and all of them run while the loop thread is inside torch (which releases the GIL).
@@ -42,13 +42,13 @@ from typing import Any, ClassVar
 import ray
 import torch
 
-from deployments.colocated import ColocatedDraftLink
 from deployments.config import ModelSpec
-from deployments.draft_link import DraftLink
-from deployments.drafting import DraftRounds
-from deployments.round_stats import RoundTimings, Telemetry
-from deployments.scheduler import RunningSeq, Scheduler
-from deployments.workers import configure_thread, load_runner, worker_info
+from deployments.core.colocated import ColocatedDraftLink
+from deployments.core.draft_link import DraftLink
+from deployments.core.round_stats import RoundTimings, Telemetry
+from deployments.core.scheduler import RunningSeq, Scheduler
+from deployments.workers.drafting import DraftRounds
+from deployments.workers.model_loader import configure_thread, load_runner, worker_info
 from specdec.policy import SpeculationLength
 from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
@@ -110,7 +110,7 @@ class EngineCore:
         colocated_draft: dict | None = None,
     ):
         """``colocated_draft``: ``{"spec", "min_confidence", "tokenizer_size"}`` to run the
-        draft in this process (:mod:`deployments.colocated`); None: a draft actor is
+        draft in this process (:mod:`deployments.core.colocated`); None: a draft actor is
         connected with :meth:`set_draft`."""
         self.spec = ModelSpec.model_validate(spec)
         self.draft_runner = None

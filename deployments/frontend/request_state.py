@@ -1,6 +1,7 @@
 """What the frontend keeps per request, what it streams out, and the errors it raises.
 
-Plain data (no Ray, no asyncio work): :class:`deployments.engine.SpecEngine` owns the
+Plain data (no Ray, no asyncio work): :class:`deployments.frontend.engine_client.EngineClient`
+owns the
 live :class:`RequestState` objects and the OpenAI layer turns :class:`RequestOutput` and
 the errors into HTTP responses.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict, dataclass, field
 
-from deployments.detokenizer import IncrementalDetokenizer
+from deployments.frontend.detokenizer import IncrementalDetokenizer
 from specdec.sampling import SamplingParams
 
 

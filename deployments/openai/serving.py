@@ -1,6 +1,6 @@
 """The OpenAI endpoints' logic: requests to engine calls, engine outputs to responses.
 
-Kept apart from the FastAPI app (:mod:`deployments.server` only wires routes, errors and
+Kept apart from the FastAPI app (:mod:`deployments.openai.server` only wires routes, errors and
 limits), as vLLM keeps ``OpenAIServingCompletion``/``OpenAIServingChat`` apart from its
 API server. Text comes from the engine, which detokenizes once and matches stop strings
 on exactly the text returned here; this module only shapes it.
@@ -20,15 +20,15 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from deployments.config import AppConfig
-from deployments.engine import (
+from deployments.frontend.engine_client import (
+    EngineClient,
     EngineError,
     EngineOverloadedError,
     InvalidRequestError,
     RequestOutput,
     RequestStats,
-    SpecEngine,
 )
-from deployments.protocol import (
+from deployments.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionResponse,
@@ -113,7 +113,7 @@ def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
 class OpenAIServing:
     """Completions and chat completions over one engine (per replica)."""
 
-    def __init__(self, config: AppConfig, engine: SpecEngine, tokenizer):
+    def __init__(self, config: AppConfig, engine: EngineClient, tokenizer):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from deployments.drafting import GIVE_UP
+from deployments.workers.drafting import GIVE_UP
 
 logger = logging.getLogger("specserve.draft_link")
 
@@ -179,7 +179,8 @@ class DraftLink:
             self._pushes.pop(seq_id, None)
 
     def store(self, round_for: int, items: list[tuple]) -> None:
-        """Pushed drafts ``(seq_id, guess, tokens, q, speculative)`` (see deployments.core)."""
+        """Pushed drafts ``(seq_id, guess, tokens, q, speculative)`` (see
+        deployments.core.engine_core)."""
         with self._cv:
             for seq_id, guess, tokens, q, speculative in items:
                 if not self._is_live(seq_id):  # ended meanwhile: keep nothing for it

@@ -1,6 +1,7 @@
 """The engine frontend: what the Serve replica runs next to its HTTP API.
 
-Rounds are not driven from here: the engine core (:mod:`deployments.core`) runs them in a
+Rounds are not driven from here: the engine core (:mod:`deployments.core.engine_core`) runs
+them in a
 loop next to the target, and the draft actor pushes drafts to it directly. This side
 admits requests, streams committed tokens to clients (one long-poll per replica), stops
 sequences at stop strings, aborts sequences whose client went away, and replaces
@@ -25,9 +26,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from deployments.config import EngineConfig
-from deployments.core import RoundTimings
-from deployments.detokenizer import IncrementalDetokenizer
-from deployments.request_state import (
+from deployments.core.engine_core import RoundTimings
+from deployments.frontend.detokenizer import IncrementalDetokenizer
+from deployments.frontend.request_state import (
     EngineError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -36,27 +37,27 @@ from deployments.request_state import (
     RequestStats,
     detokenize_until_stop,
 )
-from deployments.telemetry_link import TelemetryLink, TelemetrySink
-from deployments.worker_launch import WorkerLauncher, startup_cause
+from deployments.frontend.telemetry_link import TelemetryLink, TelemetrySink
+from deployments.frontend.worker_launch import WorkerLauncher, startup_cause
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger("specserve.engine")
 
 __all__ = [
+    "EngineClient",
     "EngineError",
     "EngineOverloadedError",
     "InvalidRequestError",
     "RequestOutput",
     "RequestStats",
     "RoundTimings",
-    "SpecEngine",
 ]
 
 POLL_TIMEOUT_S = 1.0
 HEALTH_EVERY_S = 1.0  # how stale /health's running, waiting and KV figures may be under load
 
 
-class SpecEngine:
+class EngineClient:
     """Frontend of one replica's engine: requests in, token streams out (asyncio)."""
 
     def __init__(

@@ -4,10 +4,10 @@ Two processes on one device time-slice it (two CUDA contexts, or two processes o
 CPU cores), and every round pays an actor message each way; vLLM, SGLang and
 TensorRT-LLM all run the draft in the target's process for that reason. Here the core's
 loop drafts for a round right before verifying it, with the same drafter code the draft
-actor runs (:class:`deployments.drafting.DraftRounds`), so the tokens are the same ones
+actor runs (:class:`deployments.workers.drafting.DraftRounds`), so the tokens are the same ones
 (seeded rows included). There is no overlap: the draft and the target take turns.
 
-:class:`ColocatedDraftLink` has the interface of :class:`deployments.draft_link.DraftLink`,
+:class:`ColocatedDraftLink` has the interface of :class:`deployments.core.draft_link.DraftLink`,
 so the core does not know which shape it runs in.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 
-from deployments.draft_link import Gathered
-from deployments.drafting import GIVE_UP, DraftRounds, push_item
+from deployments.core.draft_link import Gathered
+from deployments.workers.drafting import GIVE_UP, DraftRounds, push_item
 
 
 class ColocatedDraftLink:

@@ -2,7 +2,8 @@
 
 What each worker asks Ray for comes from config (``*_resources``) and the replica's
 placement group (:func:`deployments.placement.placement_for` picks the bundle); nothing
-here decides when a worker is replaced — :class:`deployments.engine.SpecEngine` does.
+here decides when a worker is replaced —
+:class:`deployments.frontend.engine_client.EngineClient` does.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import EngineConfig, WorkerResources
-from deployments.core import EngineCore
+from deployments.core.engine_core import EngineCore
 from deployments.placement import placement_for
-from deployments.workers import DraftWorker
+from deployments.workers.draft_worker import DraftWorker
 
 logger = logging.getLogger("specserve.engine")
 

@@ -17,16 +17,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployments.api_keys import (
+from deployments.config import AppConfig
+from deployments.frontend.engine_client import EngineClient
+from deployments.openai.api_keys import (
     ConcurrencyLimiter,
     ConcurrencyLimitExceeded,
     KeyStore,
     bearer_token,
 )
-from deployments.config import AppConfig
-from deployments.engine import SpecEngine
-from deployments.openai_serving import RETRY_AFTER_S, APIError, OpenAIServing
-from deployments.protocol import (
+from deployments.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -36,6 +35,7 @@ from deployments.protocol import (
     ModelCard,
     ModelList,
 )
+from deployments.openai.serving import RETRY_AFTER_S, APIError, OpenAIServing
 
 logger = logging.getLogger("specserve.server")
 
@@ -106,7 +106,7 @@ class KeyGate:
 
 
 def create_app(
-    config: AppConfig, engine: SpecEngine, tokenizer, replica_id: str = "", *, keys: KeyStore
+    config: AppConfig, engine: EngineClient, tokenizer, replica_id: str = "", *, keys: KeyStore
 ) -> FastAPI:
     """The FastAPI app over an engine; the Serve deployment wraps it with ``serve.ingress``.
     ``keys`` are the replica's API keys (none: the API is open)."""

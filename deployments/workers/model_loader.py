@@ -1,0 +1,95 @@
+"""Loading a model runner for a worker: the spec's model on its device with its KV cache,
+and the per-thread torch settings a loop thread needs. Used by the draft worker and by the
+engine core (which loads the target, and a colocated draft)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+
+from deployments.config import ModelSpec
+from specdec.runner import ModelRunner
+
+logger = logging.getLogger("specserve.workers")
+
+
+def _device(spec: ModelSpec) -> str:
+    if spec.device != "auto":
+        return spec.device
+    return "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+
+
+def configure_thread(spec: ModelSpec) -> None:
+    """Per-thread torch settings: OpenMP's thread count and grad mode are per thread, so a
+    loop thread must set them itself (else it runs with one OpenMP thread per core)."""
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    torch.set_grad_enabled(False)
+    if spec.default_device:
+        torch.set_default_device(spec.default_device)  # per thread, as grad mode
+
+
+def load_runner(
+    spec: ModelSpec, max_num_seqs: int, defer_kv: bool = False, kv_shared_with=None
+) -> ModelRunner:
+    """The spec's model on its device with its KV cache (see ModelRunner for the two
+    keyword arguments: a colocated draft's cache comes out of the target's budget). The
+    calling thread is configured for the spec once loaded, except for a deferred
+    (colocated) draft: the target loads after it, with torch's defaults."""
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    device = _device(spec)
+    logger.info("loading %s (%s) on %s", spec.model, spec.dtype, device)
+    started = time.monotonic()
+    runner = ModelRunner(
+        spec.model,
+        dtype=spec.dtype,
+        device=device,
+        max_num_seqs=max_num_seqs,
+        max_model_len=spec.max_model_len,
+        trust_remote_code=spec.trust_remote_code,
+        kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
+        defer_kv=defer_kv,
+        kv_shared_with=kv_shared_with,
+    )
+    if not defer_kv:
+        configure_thread(spec)  # after loading: from_pretrained may use the default device
+    size = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    logger.info(
+        "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d",
+        spec.model,
+        time.monotonic() - started,
+        size / 1e9,
+        runner.vocab_size,
+        runner.max_model_len,
+    )
+    for r in (runner, kv_shared_with):
+        if r is not None and r.kv_plan is not None:
+            logger.info(
+                "KV cache of %s: %.2f GB, %d slots of %d tokens",
+                r.model.name_or_path,
+                r.kv_plan.total_bytes / 1e9,
+                r.max_num_seqs,
+                r.max_model_len,
+            )
+    return runner
+
+
+def worker_info(runner: ModelRunner) -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    pg = ctx.get_placement_group_id()
+    return {
+        "node_id": ctx.get_node_id(),
+        "placement_group_id": pg,
+        "pid": os.getpid(),
+        "vocab_size": runner.vocab_size,
+        "max_model_len": runner.max_model_len,
+        "device": str(runner.device),
+        "kv_cache": runner.kv_plan.as_dict(),
+    }
