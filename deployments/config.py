@@ -185,6 +185,21 @@ class SpeculationConfig(_Strict):
         "of a domain whose speculation is off, so that a recovered domain gets it back.",
     )
 
+    def draft_length(
+        self, enabled: bool, requested_k: int | None, seeded: bool, has_draft: bool
+    ) -> tuple[int, bool]:
+        """The auto-k rule, the one place it lives: a request's draft length and whether the
+        length policy chooses it each round (``auto``; then ``k`` is its upper bound).
+
+        The request's own k wins. A seeded request keeps the fixed k: which positions
+        carry drafts changes the draws, and the policy's choices depend on timing, so its
+        output would not repeat. Speculation off, or no draft: k = 0, never auto.
+        """
+        if not enabled or not has_draft:
+            return 0, False
+        k = self.num_speculative_tokens if requested_k is None else requested_k
+        return k, requested_k is None and self.policy == "goodput" and not seeded
+
 
 class SchedulerConfig(_Strict):
     """Continuous batching limits of one engine replica."""

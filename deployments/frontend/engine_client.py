@@ -305,21 +305,22 @@ class EngineClient:
                 "max_tokens",
             )
         spec = self.config.speculation
-        k = (
+        asked = (
             spec.num_speculative_tokens
             if num_speculative_tokens is None
             else num_speculative_tokens
         )
-        if not 0 <= k <= spec.max_speculative_tokens:
+        if not 0 <= asked <= spec.max_speculative_tokens:
             raise InvalidRequestError(
                 f"num_speculative_tokens must be in [0, {spec.max_speculative_tokens}]",
                 "speculation.num_speculative_tokens",
             )
-        # A seeded request keeps its k: which positions carry drafts changes the draws,
-        # and the policy's choices depend on timing, so its output would not repeat.
-        auto = num_speculative_tokens is None and spec.policy == "goodput" and params.seed is None
-        if not speculation or self.config.draft is None:
-            k, auto = 0, False
+        k, auto = spec.draft_length(
+            speculation,
+            num_speculative_tokens,
+            params.seed is not None,
+            self.config.draft is not None,
+        )
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
