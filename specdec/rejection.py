@@ -64,18 +64,7 @@ def rejection_sample(
     whatever else is in the batch.
     """
     batch, k = draft_token_ids.shape
-    vocab = target_probs.shape[-1]
-    if target_probs.shape[:2] != (batch, k + 1):
-        raise ValueError(
-            f"target_probs must be [batch, k + 1, vocab], got {tuple(target_probs.shape)}"
-        )
-    if proposal == "probs":
-        if draft_probs is None or draft_probs.shape != (batch, k, vocab):
-            raise ValueError("proposal='probs' needs draft_probs of shape [batch, k, vocab]")
-    elif proposal not in ("point_mass", "uniform"):
-        raise ValueError(f"unknown proposal kind {proposal!r}")
-    if len(generators) != batch:
-        raise ValueError(f"need one generator (or None) per row: {len(generators)} != {batch}")
+    _check_inputs(draft_token_ids, target_probs, draft_probs, generators, proposal)
 
     # Everything follows the target's probabilities onto their device. Host syncs: the
     # greedy flags and draft counts once (seeded rows draw per row from their own
@@ -92,7 +81,60 @@ def rejection_sample(
     valid = positions[None, :] < num_draft_tokens[:, None]  # [batch, k]
     safe_draft = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
 
-    # p_i(x_i) and q_i(x_i): [batch, k]
+    p_x, q_x = _probs_at_drafts(target_probs, draft_probs, safe_draft, proposal)  # [batch, k]
+    seeded, unseeded = _random_streams(generators, greedy_host, is_greedy)
+    uniforms = _draw_uniforms(batch, k, unseeded, seeded, counts_host, generators)
+    # u ~ U[0, 1): accept iff u < p/q, i.e. with probability min(1, p/q).
+    stochastic_accept = uniforms * q_x < p_x
+    greedy_accept = safe_draft == target_probs[:, :k].argmax(dim=-1)
+    accept = torch.where(is_greedy[:, None], greedy_accept, stochastic_accept) & valid
+    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    bonus = num_accepted == num_draft_tokens
+
+    rows = torch.arange(batch, device=device)
+    p_at = target_probs[rows, num_accepted]  # [batch, vocab]
+    last_dist = _last_distribution(
+        p_at, draft_probs, safe_draft, rows, num_accepted, bonus, proposal
+    )
+    last = _sample_last(p_at, last_dist, unseeded, seeded, generators)  # [batch]
+    out = _output_tokens(draft_token_ids, positions, rows, num_accepted, last)
+    return RejectionOutput(output_token_ids=out, num_accepted=num_accepted, bonus=bonus)
+
+
+def _check_inputs(
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generators: Sequence[torch.Generator | None],
+    proposal: ProposalKind,
+) -> None:
+    """Refuse shapes and kinds :func:`rejection_sample` would misread (a wrong shape could
+    broadcast silently and verify against the wrong distribution)."""
+    batch, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    if target_probs.shape[:2] != (batch, k + 1):
+        raise ValueError(
+            f"target_probs must be [batch, k + 1, vocab], got {tuple(target_probs.shape)}"
+        )
+    if proposal == "probs":
+        if draft_probs is None or draft_probs.shape != (batch, k, vocab):
+            raise ValueError("proposal='probs' needs draft_probs of shape [batch, k, vocab]")
+    elif proposal not in ("point_mass", "uniform"):
+        raise ValueError(f"unknown proposal kind {proposal!r}")
+    if len(generators) != batch:
+        raise ValueError(f"need one generator (or None) per row: {len(generators)} != {batch}")
+
+
+def _probs_at_drafts(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    safe_draft: torch.Tensor,
+    proposal: ProposalKind,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p_i(x_i)`` and ``q_i(x_i)``, each ``[batch, k]``: the two sides of the acceptance
+    test at every draft position (``safe_draft``: ``[batch, k]``, 0 past a row's drafts)."""
+    k = safe_draft.shape[1]
+    vocab = target_probs.shape[-1]
     p_x = target_probs[:, :k].gather(-1, safe_draft.unsqueeze(-1)).squeeze(-1)
     if proposal == "probs":
         q_x = draft_probs.gather(-1, safe_draft.unsqueeze(-1)).squeeze(-1)
@@ -100,54 +142,105 @@ def rejection_sample(
         q_x = torch.ones_like(p_x)
     else:
         q_x = torch.full_like(p_x, 1.0 / vocab)
+    return p_x, q_x
 
-    # u ~ U[0, 1): accept iff u < p/q, i.e. with probability min(1, p/q).
-    # Unseeded rows share one draw from the global RNG; seeded rows use their own.
+
+def _random_streams(
+    generators: Sequence[torch.Generator | None], greedy_host: list[bool], is_greedy: torch.Tensor
+) -> tuple[list[int], torch.Tensor]:
+    """Which rows draw from where: the seeded sampled rows (a list, each drawing from its
+    own generator) and the ``[batch]`` bool mask of unseeded sampled rows (sharing one
+    draw from the global RNG). Greedy rows are in neither: they draw nothing."""
     seeded = [r for r, g in enumerate(generators) if g is not None and not greedy_host[r]]
     unseeded = ~is_greedy.clone()
     if seeded:
-        unseeded[torch.tensor(seeded, device=device)] = False
+        unseeded[torch.tensor(seeded, device=is_greedy.device)] = False
+    return seeded, unseeded
+
+
+def _draw_uniforms(
+    batch: int,
+    k: int,
+    unseeded: torch.Tensor,
+    seeded: list[int],
+    counts_host: list[int],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """``u ~ U[0, 1)``, ``[batch, k]``: one shared draw for the unseeded rows, then exactly
+    ``num_draft_tokens[row]`` per seeded row from its own generator (so a seeded request's
+    stream does not depend on its batch); 0 for greedy rows and past a seeded row's drafts."""
+    device = unseeded.device
     uniforms = torch.zeros(batch, k, device=device)
     if k > 0:
         uniforms[unseeded] = torch.rand(int(unseeded.sum()), k, device=device)
         for row in seeded:
             n = counts_host[row]
             uniforms[row, :n] = torch.rand(n, generator=generators[row], device=device)
-    stochastic_accept = uniforms * q_x < p_x
-    greedy_accept = safe_draft == target_probs[:, :k].argmax(dim=-1)
-    accept = torch.where(is_greedy[:, None], greedy_accept, stochastic_accept) & valid
-    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
-    bonus = num_accepted == num_draft_tokens
+    return uniforms
 
-    # Distribution of the last token: residual at the first rejection, p_{n+1} after all.
-    rows = torch.arange(batch, device=device)
-    p_at = target_probs[rows, num_accepted]  # [batch, vocab]
-    if k > 0:
-        q_pos = num_accepted.clamp(max=k - 1)
-        if proposal == "probs":
-            q_at = draft_probs[rows, q_pos]
-        elif proposal == "point_mass":
-            q_at = torch.zeros_like(p_at).scatter(-1, safe_draft[rows, q_pos].unsqueeze(-1), 1.0)
-        else:
-            q_at = torch.full_like(p_at, 1.0 / vocab)
-        residual = (p_at - q_at).clamp(min=0)
-        mass = residual.sum(dim=-1, keepdim=True)
-        # A rejection with zero residual mass only happens through rounding (p ~= q);
-        # falling back to p there is exact up to that rounding.
-        residual = torch.where(mass > 1e-12, residual / mass.clamp(min=1e-12), p_at)
-        last_dist = torch.where(bonus[:, None], p_at, residual)
+
+def _last_distribution(
+    p_at: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    safe_draft: torch.Tensor,
+    rows: torch.Tensor,
+    num_accepted: torch.Tensor,
+    bonus: torch.Tensor,
+    proposal: ProposalKind,
+) -> torch.Tensor:
+    """The law of each row's last token, ``[batch, vocab]``: the residual
+    ``norm(max(0, p - q))`` at the first rejection, ``p_{n+1}`` after all drafts were
+    accepted (``p_at``: ``[batch, vocab]``, p at position ``num_accepted``; ``rows``:
+    ``arange(batch)``)."""
+    k = safe_draft.shape[1]
+    if k == 0:
+        return p_at
+    vocab = p_at.shape[-1]
+    q_pos = num_accepted.clamp(max=k - 1)
+    if proposal == "probs":
+        q_at = draft_probs[rows, q_pos]
+    elif proposal == "point_mass":
+        q_at = torch.zeros_like(p_at).scatter(-1, safe_draft[rows, q_pos].unsqueeze(-1), 1.0)
     else:
-        last_dist = p_at
+        q_at = torch.full_like(p_at, 1.0 / vocab)
+    residual = (p_at - q_at).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # A rejection with zero residual mass only happens through rounding (p ~= q);
+    # falling back to p there is exact up to that rounding.
+    residual = torch.where(mass > 1e-12, residual / mass.clamp(min=1e-12), p_at)
+    return torch.where(bonus[:, None], p_at, residual)
 
-    # Greedy rows: argmax of p itself (the target's greedy token, whatever q was).
+
+def _sample_last(
+    p_at: torch.Tensor,
+    last_dist: torch.Tensor,
+    unseeded: torch.Tensor,
+    seeded: list[int],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Each row's last token, ``[batch]`` int64: greedy rows take the argmax of p itself
+    (the target's greedy token, whatever q was); sampled rows draw from ``last_dist``, the
+    unseeded in one shared call, each seeded row from its own generator."""
     last = p_at.argmax(dim=-1)
     if bool(unseeded.any()):
         last[unseeded] = torch.multinomial(last_dist[unseeded], 1)[:, 0]
     for row in seeded:
         last[row] = torch.multinomial(last_dist[row], 1, generator=generators[row])[0]
+    return last
 
-    out = torch.full((batch, k + 1), PAD_TOKEN_ID, dtype=torch.long, device=device)
+
+def _output_tokens(
+    draft_token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    num_accepted: torch.Tensor,
+    last: torch.Tensor,
+) -> torch.Tensor:
+    """``[batch, k + 1]`` int64: each row's accepted drafts, then its last token, then
+    ``PAD_TOKEN_ID`` (``positions``: ``arange(k)``; ``rows``: ``arange(batch)``)."""
+    batch, k = draft_token_ids.shape
+    out = torch.full((batch, k + 1), PAD_TOKEN_ID, dtype=torch.long, device=last.device)
     keep = positions[None, :] < num_accepted[:, None]
     out[:, :k] = torch.where(keep, draft_token_ids, out[:, :k])
     out[rows, num_accepted] = last
-    return RejectionOutput(output_token_ids=out, num_accepted=num_accepted, bonus=bonus)
+    return out
