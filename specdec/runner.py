@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -74,6 +75,23 @@ class ModelRunner:
         # Eager attention adds the mask to its scores; SDPA takes a boolean one.
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         self._mask_dtype = self.model.dtype if impl == "eager" else None
+        self.max_model_len = self._served_length(model, max_model_len)
+        self.prefill_chunk_size = prefill_chunk_size
+        # Rows of the LM head (logits width) and of the input embedding (ids it can read):
+        # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.kv_bytes_per_token = self._probe_kv()
+        self.kv_plan: KVPlan | None = None
+        self.max_num_seqs = 0
+        if not defer_kv:
+            self._allocate_planned(
+                max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction, kv_shared_with
+            )
+
+    def _served_length(self, model: str, max_model_len: int | None) -> int:
+        """The longest sequence served: ``max_model_len``, capped at what the model has
+        positions for (and, under LongRoPE, at its pretraining length)."""
         limit = _context_limit(decoder_config(self.config))
         rope_limit = exact_position_limit(self.config)
         if rope_limit is not None and rope_limit < limit:
@@ -84,31 +102,32 @@ class ModelRunner:
                 rope_limit,
             )
             limit = rope_limit
-        self.max_model_len = min(max_model_len or limit, limit)
-        self.prefill_chunk_size = prefill_chunk_size
-        # Rows of the LM head (logits width) and of the input embedding (ids it can read):
-        # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self.kv_bytes_per_token = self._probe_kv()
-        self.kv_plan: KVPlan | None = None
-        self.max_num_seqs = 0
-        if not defer_kv:
-            free = device_free_bytes(self.device)
-            shared = kv_shared_with.kv_bytes_per_slot if kv_shared_with is not None else 0
-            plan = plan_slots(
-                self.kv_bytes_per_token,
-                self.max_model_len,
-                max_num_seqs,
-                budget_bytes(kv_cache_memory_bytes, kv_cache_memory_fraction, free),
-                free,
-                shared_bytes_per_slot=shared,
+        return min(max_model_len or limit, limit)
+
+    def _allocate_planned(
+        self,
+        max_num_seqs: int,
+        kv_cache_memory_bytes: int | None,
+        kv_cache_memory_fraction: float | None,
+        kv_shared_with: ModelRunner | None,
+    ) -> None:
+        """Plan the slots the budget holds (shared with ``kv_shared_with``, a draft built
+        with ``defer_kv``) and allocate them here, and the same number there."""
+        free = device_free_bytes(self.device)
+        shared = kv_shared_with.kv_bytes_per_slot if kv_shared_with is not None else 0
+        plan = plan_slots(
+            self.kv_bytes_per_token,
+            self.max_model_len,
+            max_num_seqs,
+            budget_bytes(kv_cache_memory_bytes, kv_cache_memory_fraction, free),
+            free,
+            shared_bytes_per_slot=shared,
+        )
+        self.allocate_kv(plan)
+        if kv_shared_with is not None:  # one budget: the same number of slots
+            kv_shared_with.allocate_kv(
+                plan.sharing(kv_shared_with.kv_bytes_per_token, kv_shared_with.max_model_len)
             )
-            self.allocate_kv(plan)
-            if kv_shared_with is not None:  # one budget: the same number of slots
-                kv_shared_with.allocate_kv(
-                    plan.sharing(kv_shared_with.kv_bytes_per_token, kv_shared_with.max_model_len)
-                )
 
     @property
     def kv_bytes_per_slot(self) -> int:
@@ -246,71 +265,22 @@ class ModelRunner:
             raise ValueError("every sequence must append at least one token")
         if last_only and max(counts) > self.prefill_chunk_size:
             return self._chunked_last(seq_ids, token_ids)
-        batch = len(seq_ids)
-        # Run rows in slot order so that a batch of consecutive slots reads a view.
-        slot_of = [self.slots.slot(sid) for sid in seq_ids]
-        in_order = all(a < b for a, b in itertools.pairwise(slot_of))
-        order = list(range(batch)) if in_order else sorted(range(batch), key=slot_of.__getitem__)
-        slots = [slot_of[i] for i in order]
-        starts = [self.slots.length_of_slot(s) for s in slots]
-        ns = [counts[i] for i in order]
-        n = max(ns)
-        ends = [st + c for st, c in zip(starts, ns, strict=True)]
-        if max(ends) > self.max_model_len:
-            raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
-        kv_len = max(ends)  # no row reads past its own end; padding writes to scratch
-
         # Ids and positions are assembled on the host (they come from Python lists) and
         # moved to the model's device in one copy each; nothing uses the default device.
-        dev, host = self.device, torch.device("cpu")
-        same_start = min(starts) == max(starts)
-        if min(ns) == n:  # no padding: one tensor straight from the lists
-            input_ids = torch.tensor([token_ids[i] for i in order], dtype=torch.long, device=host)
-        else:
-            input_ids = torch.zeros(batch, n, dtype=torch.long, device=host)
-            for row, i in enumerate(order):
-                input_ids[row, : ns[row]] = torch.tensor(
-                    token_ids[i], dtype=torch.long, device=host
-                )
-        if same_start:  # every row's writes lie in [start, start + n), within max_model_len
-            position_ids = torch.arange(starts[0], starts[0] + n, device=dev).expand(batch, n)
-            write_positions = position_ids
-        else:
-            start_t = torch.tensor(starts, dtype=torch.long, device=host).to(dev)
-            position_ids = start_t[:, None] + torch.arange(n, device=dev)[None, :]  # [batch, n]
-            write_positions = position_ids
-            if min(ns) < n:
-                # A row's padded queries would sit past its end (and past max_model_len for
-                # a row near the limit): they take the row's last real position, so their
-                # masks are that query's and learned position tables have an entry, and
-                # their keys go to the scratch column, which no mask lets anyone read.
-                end_t = torch.tensor(ends, dtype=torch.long, device=host).to(dev)[:, None]
-                padded = position_ids >= end_t  # [batch, n]
-                position_ids = torch.minimum(position_ids, end_t - 1)
-                write_positions = position_ids.masked_fill(padded, self.cache.scratch_position)
-        if same_start and n == 1 and not self.attention.has_sliding:
-            mask = None  # one query per row at the common end: it sees the whole prefix
-        else:
-            # Query j of row b sees cache positions <= start_b + j (and, in a sliding
-            # layer, fewer than the window back): its own prefix, nothing of other rows'
-            # padding, nothing of its own padded queries.
-            rows_pos = position_ids[:1] if same_start else position_ids
-            mask = build_masks(self.attention, rows_pos, kv_len, self._mask_dtype)
-        first = slots[0]
-        contiguous = slots == list(range(first, first + batch))
+        plan = self._plan_rows(seq_ids, counts)
+        input_ids = _input_ids(token_ids, plan)  # [batch, n] int64, on the host
+        position_ids, write_positions = self._positions(plan)  # [batch, n] each
+        mask = self._mask(plan, position_ids)
+        dev = self.device
+        first, batch = plan.slots[0], len(plan.slots)
+        contiguous = plan.slots == list(range(first, first + batch))
         self.cache.layout = BatchLayout(
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            slots=torch.tensor(plan.slots, dtype=torch.long, device=dev),
             write_positions=write_positions,
-            kv_len=kv_len,
+            kv_len=plan.kv_len,
             contiguous_from=first if contiguous else None,
-            write_start=starts[0] if same_start else None,
+            write_start=plan.starts[0] if plan.same_start else None,
         )
-        kwargs = {}
-        if last_only and min(ns) == n:
-            kwargs["logits_to_keep"] = 1  # every row ends at the last position: a slice
-        elif last_only:
-            keep = torch.tensor(ns, dtype=torch.long, device=dev)[:, None] - 1  # [batch, 1]
-            kwargs["logits_to_keep"] = keep
         try:
             out = self.model(
                 input_ids=input_ids.to(dev),
@@ -318,19 +288,98 @@ class ModelRunner:
                 attention_mask=mask,
                 past_key_values=self.cache,
                 use_cache=True,
-                **kwargs,
+                **self._logits_to_keep(plan, last_only),
             )
         finally:
             self.cache.layout = None
-        logits = out.logits.float()  # [batch, n, vocab] or [batch, 1, vocab]
+        return self._commit(seq_ids, plan, out.logits, last_only)
+
+    def _plan_rows(self, seq_ids: Sequence[Hashable], counts: list[int]) -> _RowPlan:
+        """Rows in slot order (a batch of consecutive slots then reads the cache as a
+        view), with where each starts and ends; refuses appends past max_model_len."""
+        batch = len(seq_ids)
+        slot_of = [self.slots.slot(sid) for sid in seq_ids]
+        in_order = all(a < b for a, b in itertools.pairwise(slot_of))
+        order = list(range(batch)) if in_order else sorted(range(batch), key=slot_of.__getitem__)
+        slots = [slot_of[i] for i in order]
+        starts = [self.slots.length_of_slot(s) for s in slots]
+        ns = [counts[i] for i in order]
+        ends = [st + c for st, c in zip(starts, ns, strict=True)]
+        if max(ends) > self.max_model_len:
+            raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
+        return _RowPlan(
+            order=order,
+            in_order=in_order,
+            slots=slots,
+            starts=starts,
+            ns=ns,
+            ends=ends,
+            n=max(ns),
+            kv_len=max(ends),  # no row reads past its own end; padding writes to scratch
+            same_start=min(starts) == max(starts),
+        )
+
+    def _positions(self, plan: _RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(position_ids, write_positions)``, ``[batch, n]`` int64 each on the model's
+        device: each query's position, and the cache position its keys/values go to."""
+        dev, host = self.device, torch.device("cpu")
+        batch, n, starts = len(plan.slots), plan.n, plan.starts
+        if plan.same_start:  # every row's writes lie in [start, start + n), within max_model_len
+            position_ids = torch.arange(starts[0], starts[0] + n, device=dev).expand(batch, n)
+            return position_ids, position_ids
+        start_t = torch.tensor(starts, dtype=torch.long, device=host).to(dev)
+        position_ids = start_t[:, None] + torch.arange(n, device=dev)[None, :]  # [batch, n]
+        if min(plan.ns) == n:
+            return position_ids, position_ids
+        # A row's padded queries would sit past its end (and past max_model_len for a row
+        # near the limit): they take the row's last real position, so their masks are that
+        # query's and learned position tables have an entry, and their keys go to the
+        # scratch column, which no mask lets anyone read.
+        end_t = torch.tensor(plan.ends, dtype=torch.long, device=host).to(dev)[:, None]
+        padded = position_ids >= end_t  # [batch, n]
+        position_ids = torch.minimum(position_ids, end_t - 1)
+        return position_ids, position_ids.masked_fill(padded, self.cache.scratch_position)
+
+    def _mask(self, plan: _RowPlan, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """The attention masks of the pass (:func:`specdec.attention.build_masks`), or None
+        where one query per row at the common end sees its whole prefix."""
+        if plan.same_start and plan.n == 1 and not self.attention.has_sliding:
+            return None
+        # Query j of row b sees cache positions <= start_b + j (and, in a sliding layer,
+        # fewer than the window back): its own prefix, nothing of other rows' padding,
+        # nothing of its own padded queries.
+        rows_pos = position_ids[:1] if plan.same_start else position_ids
+        return build_masks(self.attention, rows_pos, plan.kv_len, self._mask_dtype)
+
+    def _logits_to_keep(self, plan: _RowPlan, last_only: bool) -> dict[str, int | torch.Tensor]:
+        """The model's ``logits_to_keep`` argument: with ``last_only``, each row's last
+        appended position only (a slice where every row ends at the last position)."""
+        if not last_only:
+            return {}
+        if min(plan.ns) == plan.n:
+            return {"logits_to_keep": 1}
+        keep = torch.tensor(plan.ns, dtype=torch.long, device=self.device)[:, None] - 1
+        return {"logits_to_keep": keep}  # [batch, 1]
+
+    def _commit(
+        self,
+        seq_ids: Sequence[Hashable],
+        plan: _RowPlan,
+        logits: torch.Tensor,
+        last_only: bool,
+    ) -> torch.Tensor:
+        """Record the rows' new lengths and return their float32 logits in the caller's
+        row order: ``[batch, n, vocab]``, or ``[batch, vocab]`` with ``last_only``."""
+        batch = len(plan.slots)
+        logits = logits.float()  # [batch, n, vocab] or [batch, 1, vocab]
         if last_only and logits.shape[1] != 1:  # a model that ignores logits_to_keep
-            last = torch.tensor(ns, device=logits.device) - 1
+            last = torch.tensor(plan.ns, device=logits.device) - 1
             logits = logits[torch.arange(batch, device=logits.device), last][:, None]
         for row in range(batch):
-            self.slots.set_length(seq_ids[order[row]], ends[row])
-        if not in_order:
+            self.slots.set_length(seq_ids[plan.order[row]], plan.ends[row])
+        if not plan.in_order:
             inverse = [0] * batch
-            for row, i in enumerate(order):
+            for row, i in enumerate(plan.order):
                 inverse[i] = row
             logits = logits[torch.tensor(inverse, device=logits.device)]
         return logits[:, 0] if last_only else logits
@@ -396,3 +445,30 @@ def _context_limit(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
+
+
+@dataclass(frozen=True, slots=True)
+class _RowPlan:
+    """One padded pass's rows in slot order (lists indexed by that order's row)."""
+
+    order: list[int]  # the caller's index of each row
+    in_order: bool  # the caller's order is slot order already (nothing to permute)
+    slots: list[int]  # each row's KV slot
+    starts: list[int]  # tokens cached before the pass [tokens]
+    ns: list[int]  # tokens appended [tokens]
+    ends: list[int]  # starts + ns [tokens]
+    n: int  # the longest append: the pass's query length [tokens]
+    kv_len: int  # keys/values attention reads: the furthest end [tokens]
+    same_start: bool  # every row starts at the same position
+
+
+def _input_ids(token_ids: Sequence[Sequence[int]], plan: _RowPlan) -> torch.Tensor:
+    """``[batch, n]`` int64 ids in slot order, 0-padded, assembled on the host (they come
+    from Python lists) so they reach the model's device in one copy."""
+    host = torch.device("cpu")
+    if min(plan.ns) == plan.n:  # no padding: one tensor straight from the lists
+        return torch.tensor([token_ids[i] for i in plan.order], dtype=torch.long, device=host)
+    input_ids = torch.zeros(len(plan.order), plan.n, dtype=torch.long, device=host)
+    for row, i in enumerate(plan.order):
+        input_ids[row, : plan.ns[row]] = torch.tensor(token_ids[i], dtype=torch.long, device=host)
+    return input_ids
