@@ -25,6 +25,7 @@ from deployments.openai.api_keys import (
     KeyStore,
     bearer_token,
 )
+from deployments.openai.errors import RETRY_AFTER_S, APIError
 from deployments.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,7 +36,10 @@ from deployments.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from deployments.openai.serving import RETRY_AFTER_S, APIError, OpenAIServing
+from deployments.openai.serving import engine_health
+from deployments.openai.serving_chat import OpenAIServingChat
+from deployments.openai.serving_completion import OpenAIServingCompletion
+from monitoring.domains import DomainResolver
 
 logger = logging.getLogger("specserve.server")
 
@@ -111,7 +115,9 @@ def create_app(
     """The FastAPI app over an engine; the Serve deployment wraps it with ``serve.ingress``.
     ``keys`` are the replica's API keys (none: the API is open)."""
     app = FastAPI(title="SpecServe", version="0.1.0", description=__doc__)
-    serving = OpenAIServing(config, engine, tokenizer)
+    domains = DomainResolver(config.monitoring)  # one per replica: it bounds what it saw
+    completion = OpenAIServingCompletion(config, engine, tokenizer, domains)
+    chat = OpenAIServingChat(config, engine, tokenizer, domains)
     created = int(time.time())
     root = config.engine.target.model
 
@@ -176,19 +182,19 @@ def create_app(
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(req: CompletionRequest, request: Request):
-        return await serving.create(req, chat=False, headers=request.headers)
+        return await completion.create(req, headers=request.headers)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await serving.create(req, chat=True, headers=request.headers)
+        return await chat.create(req, headers=request.headers)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
     async def models():
-        return ModelList(data=[ModelCard(id=serving.model_name, created=created, root=root)])
+        return ModelList(data=[ModelCard(id=completion.model_name, created=created, root=root)])
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():
-        body, status = serving.health()
+        body, status = engine_health(engine)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
         return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 

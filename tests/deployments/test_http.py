@@ -833,7 +833,7 @@ def test_stop_string_ends_generation_where_the_text_ends(client, tokenizer):
 
 
 def test_chat_ends_at_the_templates_end_of_turn(tokenizer):
-    from deployments.openai.serving import end_of_turn_ids
+    from deployments.openai.serving_chat import end_of_turn_ids
 
     assert end_of_turn_ids(tokenizer) == (tokenizer.convert_tokens_to_ids("<|end|>"),)
 
