@@ -115,70 +115,93 @@ def create_app(
     """The FastAPI app over an engine; the Serve deployment wraps it with ``serve.ingress``.
     ``keys`` are the replica's API keys (none: the API is open)."""
     app = FastAPI(title="SpecServe", version="0.1.0", description=__doc__)
+    add_error_handlers(app)
+    add_limits(app, config.max_body_bytes, replica_id)
+    # Added last, so outermost: a request's key is checked before anything reads its body.
+    app.add_middleware(
+        KeyGate, keys=keys, limiter=ConcurrencyLimiter(config.rate_limit_retry_after_s)
+    )
+    add_routes(app, config, engine, tokenizer)
+    return app
+
+
+# ----- errors and limits ---------------------------------------------------------------------
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours, FastAPI's validation errors, Starlette's."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+
+
+async def _api_error(_: Request, exc: APIError):
+    return error_response(
+        exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers or None
+    )
+
+
+async def _validation_error(_: Request, exc: RequestValidationError):
+    """A 400 naming the first invalid field (``param``) and up to five problems."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    if first.get("type") == "json_invalid":
+        return error_response(
+            400, "request body is not valid JSON", "invalid_request_error", "invalid_json"
+        )
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
+        for e in errors[:5]
+    )
+    code = "unsupported_parameter" if first.get("type") == "extra_forbidden" else None
+    return error_response(400, message, "invalid_request_error", code or "invalid_value", loc)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException):
+    return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+
+def add_limits(app: FastAPI, max_body_bytes: int, replica_id: str) -> None:
+    """413 for a ``/v1/*`` body over ``max_body_bytes``; every response names its replica."""
+
+    @app.middleware("http")
+    async def _limits(request: Request, call_next):
+        if api_path(request.scope).startswith("/v1/") and await _body_too_large(
+            request, max_body_bytes
+        ):
+            return error_response(
+                413,
+                f"request body exceeds {max_body_bytes} bytes",
+                "invalid_request_error",
+                "body_too_large",
+            )
+        response = await call_next(request)
+        response.headers["x-specserve-replica"] = replica_id
+        return response
+
+
+async def _body_too_large(request: Request, limit: int) -> bool:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit():
+        return int(length) > limit
+    if length is None and request.method == "POST":
+        body = await request.body()  # chunked upload: enforce the limit on what arrived
+        return len(body) > limit
+    return False
+
+
+# ----- routes --------------------------------------------------------------------------------
+
+
+def add_routes(app: FastAPI, config: AppConfig, engine: EngineClient, tokenizer) -> None:
+    """The OpenAI routes and ``/health``. (The route functions' names and docstrings are
+    the OpenAPI schema's operation ids and descriptions.)"""
     domains = DomainResolver(config.monitoring)  # one per replica: it bounds what it saw
     completion = OpenAIServingCompletion(config, engine, tokenizer, domains)
     chat = OpenAIServingChat(config, engine, tokenizer, domains)
     created = int(time.time())
     root = config.engine.target.model
-
-    # ----- errors and limits -------------------------------------------------------------
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(
-            exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers or None
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            return error_response(
-                400, "request body is not valid JSON", "invalid_request_error", "invalid_json"
-            )
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-            for e in errors[:5]
-        )
-        code = "unsupported_parameter" if first.get("type") == "extra_forbidden" else None
-        return error_response(400, message, "invalid_request_error", code or "invalid_value", loc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    @app.middleware("http")
-    async def _limits(request: Request, call_next):
-        if api_path(request.scope).startswith("/v1/"):
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-                return error_response(
-                    413,
-                    f"request body exceeds {config.max_body_bytes} bytes",
-                    "invalid_request_error",
-                    "body_too_large",
-                )
-            elif length is None and request.method == "POST":
-                body = await request.body()  # chunked upload: enforce the limit on what arrived
-                if len(body) > config.max_body_bytes:
-                    return error_response(
-                        413,
-                        f"request body exceeds {config.max_body_bytes} bytes",
-                        "invalid_request_error",
-                        "body_too_large",
-                    )
-        response = await call_next(request)
-        response.headers["x-specserve-replica"] = replica_id
-        return response
-
-    # Added last, so outermost: a request's key is checked before anything reads its body.
-    app.add_middleware(
-        KeyGate, keys=keys, limiter=ConcurrencyLimiter(config.rate_limit_retry_after_s)
-    )
-
-    # ----- routes ---------------------------------------------------------------------------
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(req: CompletionRequest, request: Request):
@@ -197,5 +220,3 @@ def create_app(
         body, status = engine_health(engine)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
         return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-    return app
