@@ -372,17 +372,17 @@ class OpenAIServing:
     def report(
         self, out: RequestOutput | None, args: dict[str, Any], params: SamplingParams
     ) -> SpeculationReport:
+        """What speculation did for one choice; its k and policy by the engine's own rule
+        (:meth:`SpeculationConfig.draft_length`)."""
         s = out.stats if out else None
-        k = args["num_speculative_tokens"]
-        enabled = args["speculation"] and self.engine.config.draft is not None
-        default_k = self.config.engine.speculation.num_speculative_tokens
-        # Seeded requests run at the fixed k (the policy's timing-driven k would not repeat).
-        auto = enabled and k is None and params.seed is None
-        policy = self.config.engine.speculation.policy if auto else "fixed"
+        has_draft = self.engine.config.draft is not None
+        k, auto = self.config.engine.speculation.draft_length(
+            args["speculation"], args["num_speculative_tokens"], params.seed is not None, has_draft
+        )
         return SpeculationReport(
-            enabled=enabled,
-            num_speculative_tokens=(default_k if k is None else k) if enabled else 0,
-            policy=policy,
+            enabled=args["speculation"] and has_draft,
+            num_speculative_tokens=k,
+            policy="goodput" if auto else "fixed",
             domain=args.get("domain", "default"),
             drafted=s.drafted if s else 0,
             accepted=s.accepted if s else 0,
