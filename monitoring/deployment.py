@@ -20,8 +20,8 @@ from ray import serve
 
 from monitoring.alertmanager import AlertmanagerPush
 from monitoring.config import MonitoringConfig
-from monitoring.metrics import RequestRecord, RoundBatch
 from monitoring.monitor import Monitor, build_providers
+from monitoring.records import AlertCursor, ReportReply, RequestRecord, RoundBatch
 
 logger = logging.getLogger("specserve.monitor")
 
@@ -57,10 +57,10 @@ class MonitorDeployment:
         self.flushes = 0
 
     async def report(
-        self, batch: RoundBatch, requests: list[RequestRecord], cursor: tuple[str, int] | None
-    ) -> tuple[list[tuple[str, float]], tuple[str, int]]:
-        """One replica's flush. Returns the drift alerts after ``cursor`` (as
-        ``(domain, current alpha)``) and the cursor to send next time."""
+        self, batch: RoundBatch, requests: list[RequestRecord], cursor: AlertCursor | None
+    ) -> ReportReply:
+        """One replica's flush. Returns the drift alerts after ``cursor`` and the cursor to
+        send next time."""
         self.flushes += 1
         self.monitor.report(batch)
         for record in requests:

@@ -1,7 +1,7 @@
 """SpecServe's OpenTelemetry instruments, and the records replicas send to fill them.
 
 Replicas do not own exporters (a fixed port per replica process would clash): they batch
-:class:`RoundRecord`/:class:`RequestRecord` values and send them off the critical path to
+the records of :mod:`monitoring.records` and send them off the critical path to
 the monitor (:mod:`monitoring.monitor`), which records them here. Names follow vLLM's
 spec-decode counters where one exists (``vllm:spec_decode_num_drafts`` ->
 ``specserve.spec_decode.num_drafts``) plus what vLLM lacks: rejection rounds R, so that
@@ -13,58 +13,15 @@ for each are in ``monitoring/README.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 from opentelemetry.metrics import Meter
+
+from monitoring.records import RequestRecord, RoundBatch, RoundRecord
+
+__all__ = ["RequestRecord", "RoundBatch", "RoundRecord", "SpecServeMetrics"]
 
 # Bucket bounds (seconds) for latencies from sub-millisecond rounds to minute-long requests.
 ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """One sequence's verification round that carried drafts."""
-
-    domain: str
-    drafted: int  # draft tokens verified
-    accepted: int  # of them accepted (a rejection happened iff accepted < drafted)
-    cache_hit: bool = False  # the drafts were prepared while the previous round verified
-
-
-@dataclass(frozen=True)
-class RoundBatch:
-    """What a replica sends per flush: its rounds since the last one, and its state."""
-
-    model: str
-    replica: str
-    rounds: Sequence[RoundRecord] = ()
-    verify_s: Sequence[float] = ()  # per engine round
-    draft_wait_s: Sequence[float] = ()
-    overhead_s: Sequence[float] = ()
-    committed: dict[str, int] = field(default_factory=dict)  # domain -> tokens committed
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0  # the target's KV slots in use / allocated
-    kv_cache_token_usage: float = 0.0  # ... tokens held / slots x max_model_len
-    # domain -> {"k", "alpha", "round_time_ratio": {k: T(k) / T(0)}}
-    policy: dict[str, dict] = field(default_factory=dict)
-    dropped: int = 0  # sequence-rounds the replica's buffer dropped since the last flush
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """A finished request, for the GenAI server histograms."""
-
-    model: str
-    replica: str
-    domain: str
-    operation: str  # gen_ai.operation.name: "text_completion" or "chat"
-    time_to_first_token_s: float | None
-    duration_s: float
-    output_tokens: int
-    error_type: str | None = None
 
 
 class SpecServeMetrics:

@@ -1,6 +1,6 @@
 """The monitor: one owner of SpecServe's telemetry and of drift detection, cluster-wide.
 
-Every replica sends batched :class:`~monitoring.metrics.RoundBatch` records here (one
+Every replica sends batched :class:`~monitoring.records.RoundBatch` records here (one
 message per flush, off the round's critical path). The monitor records them as
 OpenTelemetry metrics, runs the per-domain drift detectors
 (:class:`~monitoring.drift.DriftMonitor`) on the whole cluster's rounds, and on every
@@ -24,7 +24,14 @@ from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk.metrics import MeterProvider
 
 from monitoring.drift import DriftConfig, DriftEvent, DriftMonitor
-from monitoring.metrics import RequestRecord, RoundBatch, SpecServeMetrics
+from monitoring.metrics import SpecServeMetrics
+from monitoring.records import (
+    AlertCursor,
+    AlertRecord,
+    ReportReply,
+    RequestRecord,
+    RoundBatch,
+)
 from specdec.speedup import break_even_alpha
 
 logger = logging.getLogger("specserve.monitor")
@@ -82,19 +89,16 @@ class Monitor:
     def report_request(self, record: RequestRecord) -> None:
         self.metrics.record_request(record)
 
-    def alerts_since(
-        self, cursor: tuple[str, int] | None
-    ) -> tuple[list[tuple[str, float]], tuple[str, int]]:
-        """Alert changes after ``cursor``, as ``(domain, current alpha)`` for the replicas'
-        length policies (a fire and a resolve both carry the latest estimate), and the
+    def alerts_since(self, cursor: AlertCursor | None) -> ReportReply:
+        """Alert changes after ``cursor`` for the replicas' length policies, and the
         cursor to send next time. A replica new to this monitor (no cursor, or one from a
         monitor that has since restarted) gets only the alerts firing now, not history it
         would misread as news. One that fell more than MAX_EVENTS behind gets the latest."""
-        end = (self.epoch, self._events_before + len(self.events))
-        if cursor is None or cursor[0] != self.epoch:
-            return list(self._firing.items()), end
-        start = max(0, cursor[1] - self._events_before)
-        return [(e.domain, e.current) for e in self.events[start:]], end
+        end = AlertCursor(self.epoch, self._events_before + len(self.events))
+        if cursor is None or cursor.epoch != self.epoch:
+            return ReportReply([AlertRecord(d, a) for d, a in self._firing.items()], end)
+        start = max(0, cursor.count - self._events_before)
+        return ReportReply([AlertRecord(e.domain, e.current) for e in self.events[start:]], end)
 
     def _set_ratios(self, replica: str, domain: str, ratios: dict[int, float]) -> None:
         """The detector's break-even for a domain from every replica's latest measured

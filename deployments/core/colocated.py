@@ -7,8 +7,8 @@ loop drafts for a round right before verifying it, with the same drafter code th
 actor runs (:class:`deployments.workers.drafting.DraftRounds`), so the tokens are the same ones
 (seeded rows included). There is no overlap: the draft and the target take turns.
 
-:class:`ColocatedDraftLink` has the interface of :class:`deployments.core.draft_link.DraftLink`,
-so the core does not know which shape it runs in.
+:class:`ColocatedDraftLink` implements :class:`deployments.core.draft_link.DraftLink`, as
+the actor link does, so the core does not know which shape it runs in.
 """
 
 from __future__ import annotations
@@ -16,49 +16,40 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 
-from deployments.core.draft_link import Gathered
-from deployments.workers.drafting import GIVE_UP, DraftRounds, push_item
+from deployments.core.draft_link import DraftLink, Gathered
+from deployments.messages import DraftItem, PushedDraft, RoundFeedback
+from deployments.workers.drafting import DraftRounds, pushed_draft
 
 
-class ColocatedDraftLink:
+class ColocatedDraftLink(DraftLink):
     """Applies the core's messages at once; drafts when a round gathers (one batch)."""
 
     def __init__(self, rounds: DraftRounds):
+        super().__init__()
         self.rounds = rounds
-        self.round = 0
         self._first = True  # the first message carries every sequence in full
         self._pending: dict[Hashable, tuple[int, tuple]] = {}  # sid -> (k, guess) to draft
-        self._resync: set[Hashable] = set()  # the draft lost track: send in full
-        self._give_up: set[Hashable] = set()  # ... and gave up: target-only
 
     @property
-    def draft(self) -> ColocatedDraftLink:
-        return self  # always there: it lives and dies with the core
-
-    def set_draft(self, draft) -> None:
-        raise RuntimeError("a colocated draft cannot be replaced: it is the core's own")
+    def has_draft(self) -> bool:
+        return True  # always there: it lives and dies with the core
 
     def kept(self) -> set[Hashable]:
-        return set(self._pending) | self._resync | self._give_up
+        return set(self._pending) | super().kept()
 
     def forget(self, seq_id: Hashable) -> None:
         self._pending.pop(seq_id, None)
-        self._resync.discard(seq_id)
-        self._give_up.discard(seq_id)
+        super().forget(seq_id)
 
     def drop_pushes(self, seq_id: Hashable) -> None:
         self._pending.pop(seq_id, None)
 
-    def store(self, round_for: int, items: list[tuple]) -> None:
-        raise RuntimeError("a colocated draft pushes nothing")
-
     def send(
         self,
-        round_for: int,
-        items: list[tuple],
+        items: list[DraftItem],
         freed: list[Hashable],
-        stats: tuple,
-        full_items: Callable[[], list[tuple]],
+        feedback: RoundFeedback,
+        full_items: Callable[[], list[DraftItem]],
     ) -> bool:
         first, self._first = self._first, False
         if first:
@@ -81,31 +72,17 @@ class ColocatedDraftLink:
                 ids.append(sid)
                 ks.append(k)
                 guesses[sid] = guess
-        lost: list[tuple] = []
+        lost: list[PushedDraft] = []
         for sid, drafts in self.rounds.propose(ids, ks, lost):
-            _, _, tokens, q, _ = push_item(sid, guesses[sid], drafts)
-            out.found[sid] = (tokens, q, False)
+            out.found[sid] = pushed_draft(sid, guesses[sid], drafts)
         self._take_lost(lost)
         for sid in need:
-            if sid in out.found:
-                continue
-            if sid in self._resync:
-                self._resync.discard(sid)
-                out.resync.append(sid)
-                if sid in self._give_up:
-                    self._give_up.discard(sid)
-                    out.gave_up.append(sid)
-            else:
+            if sid not in out.found and not self._take_resync(sid, out):
                 out.timed_out.append(sid)
         out.waited_s = time.perf_counter() - t0
         return out
 
-    def lose(self, draft) -> None:  # nothing to lose: no transport
-        pass
-
-    def _take_lost(self, lost: list[tuple]) -> None:
-        for sid, guess, *_ in lost:
-            self._pending.pop(sid, None)
-            self._resync.add(sid)
-            if guess == GIVE_UP:
-                self._give_up.add(sid)
+    def _take_lost(self, lost: list[PushedDraft]) -> None:
+        for draft in lost:
+            self._pending.pop(draft.seq_id, None)
+            self._note(draft)

@@ -14,12 +14,20 @@ import logging
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import ray
 
-from deployments.workers.drafting import GIVE_UP
+from deployments.messages import (
+    DraftItem,
+    DraftPush,
+    DraftRoundMessage,
+    DraftStatus,
+    PushedDraft,
+    RoundFeedback,
+)
 
 logger = logging.getLogger("specserve.draft_link")
 
@@ -28,13 +36,82 @@ logger = logging.getLogger("specserve.draft_link")
 class Gathered:
     """What :meth:`DraftLink.gather` found for a round."""
 
-    found: dict[Hashable, tuple] = field(default_factory=dict)  # sid -> (tokens, q, speculative)
+    found: dict[Hashable, PushedDraft] = field(default_factory=dict)  # sid -> its drafts
     resync: list[Hashable] = field(default_factory=list)  # the draft lost track: send in full
     gave_up: list[Hashable] = field(default_factory=list)  # ... and gave up: target-only
     timed_out: list[Hashable] = field(default_factory=list)  # no drafts in time
     had_draft: bool = False  # a draft was connected when the wait ended
     lost_draft: bool = False  # the compiled graph broke: the draft was ended
     waited_s: float = 0.0
+
+
+class DraftLink(ABC):
+    """The core's side of its draft, whichever shape it has: round messages out
+    (:meth:`send`), each round's drafts in (:meth:`gather`), and what the draft said of
+    rows it lost or gave up on, kept until the round that needs them asks.
+
+    :class:`ActorDraftLink` talks to a draft actor; :class:`deployments.core.colocated.
+    ColocatedDraftLink` drafts in the core's process. The core sees only this interface.
+    """
+
+    def __init__(self):
+        self.round = 0  # the round the core runs next (older drafts are worthless)
+        self._resync: set[Hashable] = set()  # the draft lost track: send in full
+        self._give_up: set[Hashable] = set()  # ... and gave up: target-only
+
+    @property
+    @abstractmethod
+    def has_draft(self) -> bool:
+        """A draft is connected: rows may be given drafts."""
+
+    @abstractmethod
+    def send(
+        self,
+        items: list[DraftItem],
+        freed: list[Hashable],
+        feedback: RoundFeedback,
+        full_items: Callable[[], list[DraftItem]],
+    ) -> bool:
+        """The round that just ended (or admissions and frees between rounds); a draft new
+        to this core gets ``full_items()`` instead of ``items``. False if the draft was lost."""
+
+    @abstractmethod
+    def gather(self, need: dict[Hashable, tuple], timeout_s: float) -> Gathered:
+        """Each row's drafts for round :attr:`round` (``need``: seq_id -> the guess they
+        must continue), waiting up to ``timeout_s`` for those not prepared ahead."""
+
+    def kept(self) -> set[Hashable]:
+        """Sequences the link holds anything for (empty once nothing runs)."""
+        return self._resync | self._give_up
+
+    def forget(self, seq_id: Hashable) -> None:
+        """The sequence ended: drop what is held for it."""
+        self._resync.discard(seq_id)
+        self._give_up.discard(seq_id)
+
+    @abstractmethod
+    def drop_pushes(self, seq_id: Hashable) -> None:
+        """Drafts prepared for the sequence are worthless (it left the draft)."""
+
+    def _note(self, draft: PushedDraft) -> bool:
+        """Keep what a row without drafts said (lost, gave up); True if it said that."""
+        if draft.status is DraftStatus.DRAFTS:
+            return False
+        self._resync.add(draft.seq_id)
+        if draft.status is DraftStatus.GAVE_UP:  # drafting failed for it alone
+            self._give_up.add(draft.seq_id)
+        return True
+
+    def _take_resync(self, sid: Hashable, out: Gathered) -> bool:
+        """Move ``sid``'s lost/gave-up word into ``out``; False if there is none."""
+        if sid not in self._resync:
+            return False
+        self._resync.discard(sid)
+        out.resync.append(sid)
+        if sid in self._give_up:
+            self._give_up.discard(sid)
+            out.gave_up.append(sid)
+        return True
 
 
 class _Sender:
@@ -73,9 +150,9 @@ class _DraftGraph:
         self.draft = None  # the draft actor the graph runs on
         self._dag = None
         self._refs: list = []  # CompiledDAGRefs of messages whose reply is not read yet
-        self._early: list[tuple] = []  # replies read before their round needed them
+        self._early: list[DraftPush] = []  # replies read before their round needed them
 
-    def execute(self, draft, msg: tuple) -> bool:
+    def execute(self, draft, msg: DraftRoundMessage) -> bool:
         """Send ``msg`` to ``draft``; False if the graph could not be built or used."""
         try:
             if draft is not self.draft:
@@ -98,8 +175,8 @@ class _DraftGraph:
             self.teardown()
             return False
 
-    def collect(self, deadline: float) -> list[tuple] | None:
-        """Every pending reply ``(round_for, items)``, oldest first; None if the graph broke."""
+    def collect(self, deadline: float) -> list[DraftPush] | None:
+        """Every pending reply, oldest first; None if the graph broke."""
         replies, self._early = self._early, []
         try:
             while self._refs:
@@ -126,7 +203,7 @@ def _teardown(dag) -> None:
         logger.exception("compiled graph teardown failed")
 
 
-class DraftLink:
+class ActorDraftLink(DraftLink):
     """Messages to one draft actor at a time, and the drafts it pushed, per sequence.
 
     Thread-safe: pushes arrive on the actor's push thread, ``set_draft`` on a control
@@ -136,14 +213,13 @@ class DraftLink:
     """
 
     def __init__(self, transport: str, is_live: Callable[[Hashable], bool]):
+        super().__init__()
         self._is_live = is_live
         self._cv = threading.Condition()
         self._draft = None
         self._first = True  # the next message starts a new draft
-        self._pushes: dict[Hashable, dict[tuple, tuple]] = {}
-        self._resync: set[Hashable] = set()
-        self._give_up: set[Hashable] = set()  # the draft failed on these: target-only
-        self.round = 0  # the round the core runs next (older pushes are worthless)
+        # sid -> {(round_for, guess): drafts}
+        self._pushes: dict[Hashable, dict[tuple, PushedDraft]] = {}
         # Message numbers grow with time, so a replacement core's numbers are all larger
         # than those of the core it replaces (the draft drops stragglers from that one).
         self._msg_no = time.time_ns() // 1000
@@ -154,6 +230,10 @@ class DraftLink:
     def draft(self):
         return self._draft
 
+    @property
+    def has_draft(self) -> bool:
+        return self._draft is not None
+
     def set_draft(self, draft) -> None:
         """Use this draft actor from now on (None: none until one comes)."""
         with self._cv:
@@ -162,51 +242,37 @@ class DraftLink:
             self._cv.notify_all()
 
     def kept(self) -> set[Hashable]:
-        """Sequences the link holds anything for (empty once nothing runs)."""
         with self._cv:
-            return set(self._pushes) | self._resync | self._give_up
+            return set(self._pushes) | super().kept()
 
     def forget(self, seq_id: Hashable) -> None:
-        """The sequence ended: drop what was pushed for it."""
         with self._cv:
             self._pushes.pop(seq_id, None)
-            self._resync.discard(seq_id)
-            self._give_up.discard(seq_id)
+            super().forget(seq_id)
 
     def drop_pushes(self, seq_id: Hashable) -> None:
-        """Drafts prepared for the sequence are worthless (it left the draft)."""
         with self._cv:
             self._pushes.pop(seq_id, None)
 
-    def store(self, round_for: int, items: list[tuple]) -> None:
-        """Pushed drafts ``(seq_id, guess, tokens, q, speculative)`` (see
-        deployments.core.engine_core)."""
+    def store(self, push: DraftPush) -> None:
+        """Drafts the draft actor pushed (or a compiled-graph reply)."""
         with self._cv:
-            for seq_id, guess, tokens, q, speculative in items:
-                if not self._is_live(seq_id):  # ended meanwhile: keep nothing for it
+            for draft in push.drafts:
+                if not self._is_live(draft.seq_id):  # ended meanwhile: keep nothing for it
                     continue
-                if guess is None:  # the draft lost track of this sequence
-                    self._resync.add(seq_id)
-                    continue
-                if guess == GIVE_UP:  # drafting failed for it alone: target-only
-                    self._give_up.add(seq_id)
-                    self._resync.add(seq_id)
-                    continue
-                if round_for < self.round:  # a round already past: nobody will use it
-                    continue
-                self._pushes.setdefault(seq_id, {})[(round_for, guess)] = (tokens, q, speculative)
+                if self._note(draft) or push.round_for < self.round:
+                    continue  # (a round already past: nobody will use its drafts)
+                key = (push.round_for, draft.guess)
+                self._pushes.setdefault(draft.seq_id, {})[key] = draft
             self._cv.notify_all()
 
     def send(
         self,
-        round_for: int,
-        items: list[tuple],
+        items: list[DraftItem],
         freed: list[Hashable],
-        stats: tuple,
-        full_items: Callable[[], list[tuple]],
+        feedback: RoundFeedback,
+        full_items: Callable[[], list[DraftItem]],
     ) -> bool:
-        """Message the draft (if any); a draft new to this core gets ``full_items()``
-        instead of ``items``: every sequence in full. False if the draft was lost."""
         with self._cv:
             draft, first = self._draft, self._first
         if draft is None:
@@ -219,9 +285,9 @@ class DraftLink:
             if self._draft is draft:
                 self._first = False
         self._msg_no += 1
-        msg = (self._msg_no, first, round_for, items, freed, stats)
+        msg = DraftRoundMessage(self._msg_no, first, self.round, items, freed, feedback)
         if self._graph is None:
-            self._sender.send(draft.on_round, *msg)
+            self._sender.send(draft.on_round, msg)
             return True
         if self._graph.execute(draft, msg):
             return True
@@ -229,50 +295,56 @@ class DraftLink:
         return False
 
     def gather(self, need: dict[Hashable, tuple], timeout_s: float) -> Gathered:
-        """Take each sequence's drafts for round :attr:`round` (``need``: seq_id -> the
-        guess they must continue), waiting up to ``timeout_s`` for missing ones."""
         out = Gathered()
         need = dict(need)
         t0 = time.perf_counter()
         deadline = t0 + timeout_s
         if self._graph is not None and need:
-            # Every reply this round needs is in flight: collect them, then wait no more.
-            draft = self._graph.draft
-            replies = self._graph.collect(deadline)
-            if replies is None:
-                self.lose(draft)
-                out.lost_draft = True
-            for round_for, items in replies or []:
-                self.store(round_for, items)
-            deadline = t0
+            deadline = self._collect_replies(out, deadline)
         with self._cv:
             while True:
-                for sid in list(need):
-                    got = self._pushes.get(sid, {}).pop((self.round, need[sid]), None)
-                    if got is not None:
-                        out.found[sid] = got
-                        del need[sid]
-                    elif sid in self._resync:
-                        self._resync.discard(sid)
-                        out.resync.append(sid)
-                        if sid in self._give_up:
-                            self._give_up.discard(sid)
-                            out.gave_up.append(sid)
-                        del need[sid]
+                self._take_found(need, out)
                 remaining = deadline - time.perf_counter()
                 if not need or self._draft is None or remaining <= 0:
                     break
                 self._cv.wait(remaining)
             out.timed_out = list(need)
             out.had_draft = self._draft is not None
-            for sid in out.found:  # drafts for rounds already past are worthless
-                pushes = self._pushes.get(sid, {})
-                for key in [key for key in pushes if key[0] <= self.round]:
-                    del pushes[key]
-                if not pushes:
-                    self._pushes.pop(sid, None)
+            self._drop_past(out.found)
         out.waited_s = time.perf_counter() - t0
         return out
+
+    def _collect_replies(self, out: Gathered, deadline: float) -> float:
+        """Compiled graph: every reply this round needs is in flight; collect them all.
+        Returns the new deadline: now (nothing more will come)."""
+        draft = self._graph.draft
+        replies = self._graph.collect(deadline)
+        if replies is None:
+            self.lose(draft)
+            out.lost_draft = True
+        for push in replies or []:
+            self.store(push)
+        return time.perf_counter()
+
+    def _take_found(self, need: dict[Hashable, tuple], out: Gathered) -> None:
+        """Move every needed row that has its drafts, or a word from the draft, into
+        ``out`` (caller holds ``_cv``)."""
+        for sid in list(need):
+            got = self._pushes.get(sid, {}).pop((self.round, need[sid]), None)
+            if got is not None:
+                out.found[sid] = got
+                del need[sid]
+            elif self._take_resync(sid, out):
+                del need[sid]
+
+    def _drop_past(self, found: dict[Hashable, PushedDraft]) -> None:
+        """Drafts for rounds already past are worthless (caller holds ``_cv``)."""
+        for sid in found:
+            pushes = self._pushes.get(sid, {})
+            for key in [key for key in pushes if key[0] <= self.round]:
+                del pushes[key]
+            if not pushes:
+                self._pushes.pop(sid, None)
 
     def lose(self, draft) -> None:
         """The compiled graph to this draft failed or its reply came too late: stop using

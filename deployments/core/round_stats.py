@@ -1,15 +1,18 @@
-"""What the engine core's loop measures: per-phase round times, and round outcomes kept
-for the monitor. Pure bookkeeping, no Ray and no torch."""
+"""What the engine core's loop keeps of its rounds: accumulated phase times (for benchmarks
+and /health), and round outcomes held for the monitor. Both are filled from the one
+:class:`specdec.stats.RoundStats` each round produces. Pure bookkeeping, no Ray, no torch."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from specdec.stats import RoundStats, RowOutcome
+
 
 @dataclass
 class RoundTimings:
-    """Accumulated time per round phase, measured in the loop (for benchmarks and metrics).
+    """Accumulated time per round phase (for benchmarks and metrics).
 
     ``total_s`` runs from the moment a round starts gathering its drafts to the moment its
     outcomes are published; ``draft_wait_s`` is the part spent waiting for drafts (misses);
@@ -28,8 +31,19 @@ class RoundTimings:
     paused: int = 0  # rows the length policy took out of the draft (k = 0)
     resumed: int = 0  # ... and sent to it again in full (drafting resumed)
 
+    def add(self, stats: RoundStats) -> None:
+        self.rounds += 1
+        self.rows += stats.batch_size
+        self.drafted_rows += len(stats.drafted_rows)
+        self.hits += sum(row.cache_hit for row in stats.rows)
+        self.draft_timeouts += stats.draft_timeouts
+        self.draft_wait_s += stats.draft_wait_s
+        self.verify_s += stats.verify_s
+        self.total_s += stats.total_s
+
     @property
     def overhead_s(self) -> float:
+        """Summed over rounds, as :attr:`specdec.stats.RoundStats.overhead_s` per round."""
         return self.total_s - self.draft_wait_s - self.verify_s
 
     def as_dict(self) -> dict[str, Any]:
@@ -45,26 +59,29 @@ class Telemetry:
         self.max_rounds = max_rounds
         self.drain()
 
-    def add(self, outcomes, committed, verify_s: float, wait_s: float, total_s: float) -> None:
-        """``outcomes``: (domain, drafted, accepted, cache hit) per drafted row;
-        ``committed``: (domain, tokens) per row."""
-        self.rounds.extend(outcomes)
+    def add(self, stats: RoundStats) -> None:
+        self.rounds.extend(stats.drafted_rows)
         if len(self.rounds) > self.max_rounds:
             cut = len(self.rounds) - self.max_rounds
             del self.rounds[:cut]
             self.dropped += cut
-        for domain, n in committed:
-            self.committed[domain] = self.committed.get(domain, 0) + n
+        for row in stats.rows:
+            self.committed[row.domain] = self.committed.get(row.domain, 0) + row.committed
         if len(self.verify_s) < self.max_rounds:
-            self.verify_s.append(verify_s)
-            self.draft_wait_s.append(wait_s)
-            self.overhead_s.append(max(0.0, total_s - verify_s - wait_s))
+            self.verify_s.append(stats.verify_s)
+            self.draft_wait_s.append(stats.draft_wait_s)
+            self.overhead_s.append(stats.overhead_s)
 
     def drain(self) -> dict[str, Any]:
+        """What was kept since the last call (the fields of a TelemetrySnapshot)."""
         out = {
             k: getattr(self, k, None)
             for k in ("rounds", "committed", "verify_s", "draft_wait_s", "overhead_s", "dropped")
         }
-        self.rounds, self.committed, self.dropped = [], {}, 0
-        self.verify_s, self.draft_wait_s, self.overhead_s = [], [], []
+        self.rounds: list[RowOutcome] = []
+        self.committed: dict[str, int] = {}
+        self.dropped = 0
+        self.verify_s: list[float] = []
+        self.draft_wait_s: list[float] = []
+        self.overhead_s: list[float] = []
         return out

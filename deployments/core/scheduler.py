@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 
+from deployments.messages import DraftItem, DraftRestart, DriftAlert, EngineCoreRequest
 from specdec.policy import SpeculationLength
 from specdec.sequence import SequenceState
+from specdec.stats import RoundStats, SpecCounts
 
 # A row the length policy keeps at k = 0 this many rounds in a row leaves the draft (no
 # per-round messages, no branches); fewer, and it stays: resuming costs a full prefill.
@@ -37,8 +39,7 @@ class RunningSeq:
     zero_rounds: int = 0  # consecutive rounds the policy chose k = 0 for it
     paused: bool = False  # ... PAUSE_AFTER_ROUNDS of them: the draft was told to free it
     resuming: bool = False  # sent in full after a pause: its next drafts start with a prefill
-    # drafted, accepted, rounds with drafts, cache hits
-    stats: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    counts: SpecCounts = field(default_factory=SpecCounts)  # its speculation so far
 
     @property
     def seq_id(self) -> Hashable:
@@ -59,7 +60,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.draft_max_model_len = draft_max_model_len
         self.policy = policy
-        self.waiting: list[tuple] = []  # request items, in arrival order
+        self.waiting: list[EngineCoreRequest] = []  # in arrival order
         self.running: dict[Hashable, RunningSeq] = {}
         self.has_draft = False  # a draft is connected (no draft: every k is 0)
         self.forced: int | None = None  # this round's cost-measurement k, if any
@@ -69,17 +70,17 @@ class Scheduler:
 
     # ----- admission ------------------------------------------------------------------------
 
-    def enqueue(self, items: list[tuple]) -> None:
+    def enqueue(self, items: list[EngineCoreRequest]) -> None:
         self.waiting.extend(items)
 
     def abort(self, seq_ids: set[Hashable]) -> list[Hashable]:
         """Drop aborted requests that still wait; returns the running ones to free."""
         if not seq_ids:
             return []
-        self.waiting = [item for item in self.waiting if item[0] not in seq_ids]
+        self.waiting = [req for req in self.waiting if req.request_id not in seq_ids]
         return [sid for sid in seq_ids if sid in self.running]
 
-    def admit(self, free_slots: int) -> list[tuple]:
+    def admit(self, free_slots: int) -> list[EngineCoreRequest]:
         """The waiting items to start now: in order, as many as KV slots are free and
         max_num_seqs allows; the others keep waiting (a full cache queues, never fails)."""
         room = max(0, min(self.max_num_seqs - len(self.running), free_slots))
@@ -115,15 +116,13 @@ class Scheduler:
             ),
         )
 
-    def draft_item(self, seq: RunningSeq) -> tuple | None:
+    def draft_item(self, seq: RunningSeq) -> DraftItem | None:
         """What the draft needs for the sequence's next round, or None once the length
         policy has kept it at k = 0 for PAUSE_AFTER_ROUNDS rounds: then the draft forgets
         the sequence (no message per round, no branches held: idle drafting only competes
         with verification for the cores; it is added to :attr:`dropped`) and gets it back
         in full when the policy drafts for it again. Cost measurements at k = 0 (forced)
-        do not count towards a pause.
-
-        An item is ``(seq_id, base_len, new_tokens, k, full_tokens, params)``."""
+        do not count towards a pause."""
         seq.k_next = self.k_for(seq)
         st = seq.state
         if seq.k_next > 0 or not seq.auto:
@@ -140,12 +139,14 @@ class Scheduler:
             seq.paused, seq.resuming = False, True
             self.resumed += 1
         if seq.synced:
-            return (st.seq_id, seq.base_len, list(seq.guess), seq.k_next, None, None)
+            return DraftItem(st.seq_id, seq.base_len, list(seq.guess), seq.k_next)
         seq.synced = True
-        full = (list(st.prompt_token_ids), list(st.output_token_ids))
-        return (st.seq_id, 0, list(seq.guess), seq.k_next, full, asdict(st.params))
+        restart = DraftRestart(
+            list(st.prompt_token_ids), list(st.output_token_ids), asdict(st.params)
+        )
+        return DraftItem(st.seq_id, 0, list(seq.guess), seq.k_next, restart)
 
-    def full_items(self) -> list[tuple]:
+    def full_items(self) -> list[DraftItem]:
         """Every drafted sequence in full, for a draft that knows none of them."""
         for seq in self.running.values():
             seq.synced = False
@@ -169,14 +170,14 @@ class Scheduler:
 
     # ----- the length policy --------------------------------------------------------------------
 
-    def take_drift_alerts(self, alerts: list[tuple[str, float]]) -> None:
+    def take_drift_alerts(self, alerts: list[DriftAlert]) -> None:
         """Hand alerts to the policy (before any k is chosen: a sequence admitted right
         after an alert already drafts at the k the alert implies)."""
         if self.policy is not None:
-            for domain, alpha in alerts:
-                self.policy.on_drift(domain, alpha)
+            for alert in alerts:
+                self.policy.on_drift(alert.domain, alert.current_alpha)
 
-    def plan_round(self, batch_size: int, alerts: list[tuple[str, float]]) -> None:
+    def plan_round(self, batch_size: int, alerts: list[DriftAlert]) -> None:
         """Before the next round's draft lengths are chosen: drift alerts that came in,
         and whether the next round measures the cost of one k (see SpeculationLength)."""
         if self.policy is None:
@@ -185,22 +186,21 @@ class Scheduler:
         domains = {seq.domain for seq in self.running.values() if seq.auto}
         self.forced = self.policy.plan_round(batch_size, domains)
 
-    def observe_round(
-        self,
-        outcomes: list[tuple],
-        batch_size: int,
-        planned: int,
-        total_s: float,
-        resuming: bool,
-        at_planned: list[tuple[str, int, int]] | None = None,
-    ) -> None:
+    def observe_round(self, stats: RoundStats) -> None:
         """A round ended: acceptance per domain, and (unless rows resumed, whose drafts
-        began with a prefill) what a round of ``batch_size`` rows at ``planned`` cost and
-        delivered; ``at_planned``: ``(domain, drafts got, accepted)`` of each row that asked
-        for ``planned`` drafts (rows asking fewer say nothing of k = ``planned``)."""
+        began with a prefill) what a round of its batch size at its planned k cost and
+        delivered, from the rows that asked for the planned k (rows asking fewer say
+        nothing of it)."""
         if self.policy is None:
             return
-        for domain, drafted, accepted, _hit in outcomes:
-            self.policy.observe_round(domain, drafted, accepted)
-        if not resuming:
-            self.policy.observe_round_time(batch_size, planned, total_s, at_planned)
+        for row in stats.drafted_rows:
+            self.policy.observe_round(row.domain, row.drafted, row.accepted)
+        if not stats.resuming:
+            at_planned = [
+                (row.domain, row.drafted, row.accepted)
+                for row in stats.rows
+                if stats.planned_k and row.asked_planned
+            ]
+            self.policy.observe_round_time(
+                stats.batch_size, stats.planned_k, stats.total_s, at_planned
+            )

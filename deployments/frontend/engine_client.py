@@ -34,12 +34,13 @@ from deployments.frontend.request_state import (
     InvalidRequestError,
     RequestOutput,
     RequestState,
-    RequestStats,
     detokenize_until_stop,
 )
 from deployments.frontend.telemetry_link import TelemetryLink, TelemetrySink
 from deployments.frontend.worker_launch import WorkerLauncher, startup_cause
+from deployments.messages import EngineCoreOutput, EngineCoreOutputs
 from specdec.sampling import SamplingParams
+from specdec.stats import SpecCounts
 
 logger = logging.getLogger("specserve.engine")
 
@@ -49,8 +50,8 @@ __all__ = [
     "EngineOverloadedError",
     "InvalidRequestError",
     "RequestOutput",
-    "RequestStats",
     "RoundTimings",
+    "SpecCounts",
 ]
 
 POLL_TIMEOUT_S = 1.0
@@ -337,7 +338,7 @@ class EngineClient:
         try:
             try:
                 if not self._replacing_target:  # else the replacement starts it
-                    await self._call(self.target.add_requests.remote([req.core_item()]))
+                    await self._call(self.target.add_requests.remote([req.core_request()]))
             except (RayActorError, asyncio.TimeoutError):
                 pass  # the poller replaces the target and resumes every known request
             except Exception as exc:
@@ -375,14 +376,20 @@ class EngineClient:
         if self.target is not None and not self._fatal:
             self.target.abort.remote(rids)  # fire and forget: a dead target frees nothing
 
-    def _deliver(self, out: tuple) -> None:
-        rid, new, finished, reason, _n_out, stats, error, logprobs, prompt_logprobs = out
+    def _deliver(self, out: EngineCoreOutput) -> None:
+        rid, new, finished, reason = (
+            out.request_id,
+            out.new_token_ids,
+            out.finished,
+            out.finish_reason,
+        )
+        logprobs = out.logprobs
         req = self._requests.get(rid)
         if req is None or req.finished:
             return
-        if error is not None:
+        if out.error is not None:
             req.finished = True
-            req.queue.put_nowait(EngineError(error))
+            req.queue.put_nowait(EngineError(out.error))
             return
         text = None
         if req.detok is not None:
@@ -402,10 +409,10 @@ class EngineClient:
                 reason,
                 len(req.prompt_token_ids),
                 len(req.output_token_ids),
-                RequestStats(*stats),
+                out.spec_counts,
                 text,
                 logprobs,
-                prompt_logprobs,
+                out.prompt_logprobs,
             )
         )
 
@@ -416,9 +423,10 @@ class EngineClient:
         cursor = 0
         while True:
             try:
-                cursor, outs, error = await self._call(
+                polled: EngineCoreOutputs = await self._call(
                     self.target.get_outputs.remote(cursor, POLL_TIMEOUT_S), POLL_TIMEOUT_S
                 )
+                cursor, outs, error = polled.cursor, polled.outputs, polled.error
             except asyncio.CancelledError:
                 raise
             except (RayActorError, asyncio.TimeoutError) as exc:
@@ -502,7 +510,7 @@ class EngineClient:
                         await self._connect(self.target, self.draft, self.draft_info)
                     except Exception as exc:  # the draft's problem, not the new target's
                         self._start_draft_replacement(f"it could not reconnect: {exc!r}")
-            live = [r.core_item() for r in self._requests.values() if not r.finished]
+            live = [r.core_request() for r in self._requests.values() if not r.finished]
             self._replacing_target = False
             try:
                 if live:

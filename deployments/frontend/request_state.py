@@ -12,7 +12,9 @@ import asyncio
 from dataclasses import asdict, dataclass, field
 
 from deployments.frontend.detokenizer import IncrementalDetokenizer
+from deployments.messages import EngineCoreRequest
 from specdec.sampling import SamplingParams
+from specdec.stats import SpecCounts
 
 
 class EngineError(RuntimeError):
@@ -32,22 +34,6 @@ class InvalidRequestError(ValueError):
 
 
 @dataclass
-class RequestStats:
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0  # verification rounds that carried drafts
-    cache_hits: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
-
-@dataclass
 class RequestOutput:
     """A streamed piece of a request's output."""
 
@@ -57,7 +43,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
-    stats: RequestStats
+    stats: SpecCounts  # the request's speculation so far
     text: str | None = None  # the new text the client receives (None without a tokenizer)
     # per new token: (logprob, [(token_id, logprob), ...]) when the request asked for them
     logprobs: list[tuple] | None = None
@@ -79,9 +65,9 @@ class RequestState:
     domain: str = "default"
     auto: bool = False  # the length policy chooses k per round
 
-    def core_item(self) -> tuple:
+    def core_request(self) -> EngineCoreRequest:
         """What the core needs to start, or resume, this request."""
-        return (
+        return EngineCoreRequest(
             self.request_id,
             self.prompt_token_ids,
             list(self.output_token_ids),

@@ -14,16 +14,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from monitoring.metrics import RequestRecord, RoundBatch, RoundRecord
+from deployments.messages import DriftAlert, TelemetrySnapshot
+from monitoring.records import AlertCursor, ReportReply, RequestRecord, RoundBatch, RoundRecord
 
 logger = logging.getLogger("specserve.engine")
 
 MAX_PENDING_RECORDS = 10_000  # finished-request records kept while the monitor is away
 CANCELLED = ("GeneratorExit", "CancelledError")  # the client went away
 
-# (round batch, finished requests, drift cursor) -> ([(domain, current alpha)], new cursor)
+# (round batch, finished requests, alert cursor) -> the monitor's reply (alerts, new cursor)
 TelemetrySink = Callable[
-    [RoundBatch, list[RequestRecord], Any], Awaitable[tuple[list[tuple[str, float]], Any]]
+    [RoundBatch, list[RequestRecord], AlertCursor | None], Awaitable[ReportReply]
 ]
 
 
@@ -47,8 +48,8 @@ class TelemetryLink:
         self.sink, self.model, self.replica = sink, model, replica
         self.current_core, self.timeout_s, self.interval_s = current_core, timeout_s, interval_s
         self.records: list[RequestRecord] = []
-        # Drift alerts seen so far: (monitor epoch, count); None until the monitor answers.
-        self.cursor: tuple[str, int] | None = None
+        # Drift alerts seen so far; None until the monitor answers.
+        self.cursor: AlertCursor | None = None
 
     def reset(self) -> None:
         """A new core: only the alerts that fire from now on reach its policy."""
@@ -102,24 +103,9 @@ class TelemetryLink:
         if drained is None:
             return
         requests, self.records = self.records, []
-        batch = RoundBatch(
-            model=self.model,
-            replica=self.replica,
-            rounds=[RoundRecord(*r) for r in drained["rounds"]],
-            verify_s=drained["verify_s"],
-            draft_wait_s=drained["draft_wait_s"],
-            overhead_s=drained["overhead_s"],
-            committed=drained["committed"],
-            running=drained["running"],
-            waiting=drained["waiting"],
-            kv_cache_usage=drained["kv_cache"]["usage"],
-            kv_cache_token_usage=drained["kv_cache"]["token_usage"],
-            policy=drained["policy"],
-            dropped=drained.get("dropped", 0),
-        )
         try:
-            alerts, cursor = await asyncio.wait_for(
-                self.sink(batch, requests, self.cursor), timeout=self.timeout_s
+            reply = await asyncio.wait_for(
+                self.sink(self._batch(drained), requests, self.cursor), timeout=self.timeout_s
             )
         except asyncio.CancelledError:
             raise
@@ -128,7 +114,8 @@ class TelemetryLink:
             return
         if self.current_core() is not core:  # replaced meanwhile: the new core starts afresh
             return
-        if alerts:
+        if reply.alerts:
+            alerts = [DriftAlert(a.domain, a.current_alpha) for a in reply.alerts]
             try:
                 await asyncio.wait_for(core.on_drift.remote(alerts), self.timeout_s)
             except asyncio.CancelledError:
@@ -137,4 +124,24 @@ class TelemetryLink:
                 logger.warning("could not hand drift alerts to the core: %r", exc)
                 return
         if self.current_core() is core:
-            self.cursor = cursor
+            self.cursor = reply.cursor
+
+    def _batch(self, drained: TelemetrySnapshot) -> RoundBatch:
+        """The core's snapshot as the monitor's record (its own type: the two deploy apart)."""
+        return RoundBatch(
+            model=self.model,
+            replica=self.replica,
+            rounds=[
+                RoundRecord(r.domain, r.drafted, r.accepted, r.cache_hit) for r in drained.rounds
+            ],
+            verify_s=drained.verify_s,
+            draft_wait_s=drained.draft_wait_s,
+            overhead_s=drained.overhead_s,
+            committed=drained.committed,
+            running=drained.running,
+            waiting=drained.waiting,
+            kv_cache_usage=drained.kv_cache_usage,
+            kv_cache_token_usage=drained.kv_cache_token_usage,
+            policy=drained.policy,
+            dropped=drained.dropped,
+        )

@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import EngineConfig, WorkerResources
 from deployments.core.engine_core import EngineCore
+from deployments.messages import ColocatedDraftConfig, DraftWorkerConfig, EngineCoreConfig
 from deployments.placement import placement_for
 from deployments.workers.draft_worker import DraftWorker
 
@@ -67,15 +68,17 @@ class WorkerLauncher:
             ray.remote(concurrency_groups=EngineCore.CONCURRENCY_GROUPS)(EngineCore)
             .options(**self.options(cfg.target_resources, self.placement.target_bundle))
             .remote(
-                cfg.target.model_dump(),
-                cfg.scheduler.max_num_seqs,
-                self.eos_token_ids,
-                cfg.faults.draft_timeout_s,
-                draft_max_model_len,
-                cfg.transport,
-                self._length_policy(),
-                telemetry,
-                self._colocated_draft(),
+                EngineCoreConfig(
+                    spec=cfg.target.model_dump(),
+                    max_num_seqs=cfg.scheduler.max_num_seqs,
+                    eos_token_ids=self.eos_token_ids,
+                    draft_timeout_s=cfg.faults.draft_timeout_s,
+                    draft_max_model_len=draft_max_model_len,
+                    transport=cfg.transport,
+                    length_policy=self._length_policy(),
+                    telemetry=telemetry,
+                    colocated_draft=self._colocated_draft(),
+                )
             )
         )
 
@@ -86,24 +89,26 @@ class WorkerLauncher:
             ray.remote(concurrency_groups=DraftWorker.CONCURRENCY_GROUPS)(DraftWorker)
             .options(**self.options(cfg.draft_resources, self.placement.draft_bundle))
             .remote(
-                cfg.draft.model_dump(),
-                cfg.scheduler.max_num_seqs,
-                spec.speculation_width,
-                spec.mode == "overlap",
-                spec.adaptive_overlap,
-                cfg.transport,
-                spec.draft_confidence_threshold,
+                DraftWorkerConfig(
+                    spec=cfg.draft.model_dump(),
+                    max_num_seqs=cfg.scheduler.max_num_seqs,
+                    speculation_width=spec.speculation_width,
+                    overlap=spec.mode == "overlap",
+                    adaptive_overlap=spec.adaptive_overlap,
+                    transport=cfg.transport,
+                    min_confidence=spec.draft_confidence_threshold,
+                )
             )
         )
 
-    def _colocated_draft(self) -> dict[str, Any] | None:
+    def _colocated_draft(self) -> ColocatedDraftConfig | None:
         if not self.colocated:
             return None
-        return {
-            "spec": self.config.draft.model_dump(),
-            "min_confidence": self.config.speculation.draft_confidence_threshold,
-            "tokenizer_size": len(self.tokenizer) if self.tokenizer is not None else None,
-        }
+        return ColocatedDraftConfig(
+            spec=self.config.draft.model_dump(),
+            min_confidence=self.config.speculation.draft_confidence_threshold,
+            tokenizer_size=len(self.tokenizer) if self.tokenizer is not None else None,
+        )
 
     def _length_policy(self) -> dict[str, Any] | None:
         spec = self.config.speculation

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import ray
 
 from deployments.config import ModelSpec
-from deployments.workers.drafting import DraftRounds, push_item
+from deployments.messages import DraftPush, DraftRoundMessage, DraftWorkerConfig, PushedDraft
+from deployments.workers.drafting import DraftRounds, pushed_draft
 from deployments.workers.model_loader import configure_thread, load_runner, worker_info
 from specdec.policy import SpeculationWidth
 from specdec.proposers import DraftModelProposer
@@ -37,35 +38,27 @@ class DraftWorker:
 
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1}
 
-    def __init__(
-        self,
-        spec: dict,
-        max_num_seqs: int,
-        width: int,
-        overlap: bool,
-        adaptive: bool = True,
-        transport: str = "actor",
-        min_confidence: float = 0.0,
-    ):
-        self.spec = ModelSpec.model_validate(spec)
+    def __init__(self, config: DraftWorkerConfig):
+        self.spec = ModelSpec.model_validate(config.spec)
+        width, max_num_seqs = config.speculation_width, config.max_num_seqs
         # Branches of the speculation cache are sequences too, from the same KV budget:
         # slots for as many sequences as the core runs are kept, the rest hold branches.
         self.runner = load_runner(self.spec, max_num_seqs * (1 + width))
         self.drafter = SpeculativeDrafter(
-            DraftModelProposer(self.runner, min_confidence),
+            DraftModelProposer(self.runner, config.min_confidence),
             main_slots=min(max_num_seqs, self.runner.max_num_seqs),
         )
         self.rounds = DraftRounds(self.drafter)  # messages applied as a colocated draft does
-        self.overlap = overlap and width > 0
-        self.width = SpeculationWidth(width, adaptive=adaptive)
+        self.overlap = config.overlap and width > 0
+        self.width = SpeculationWidth(width, adaptive=config.adaptive_overlap)
         self._cv = threading.Condition()
-        self._inbox: dict[int, tuple] = {}
+        self._inbox: dict[int, DraftRoundMessage] = {}
         self._next_no: int | None = None
         self._core = None
         # compiled_graph transport: drafts go back as the reply to the core's message,
         # and prepared branches stay here until the next message shows which one hit.
-        self._reply_in_step = transport == "compiled_graph"
-        self._replies: dict[int, tuple] = {}
+        self._reply_in_step = config.transport == "compiled_graph"
+        self._replies: dict[int, DraftPush] = {}
         self._stop_event = threading.Event()
         self._busy_since: float | None = None  # monotonic start of the message in hand
         self._waiting_since = time.monotonic()  # the loop's last return to its queue
@@ -97,30 +90,29 @@ class DraftWorker:
                     )
 
     @ray.method(concurrency_group="io")
-    def on_round(self, msg_no: int, first: bool, *payload) -> None:
-        """A round's outcomes from the core (see :mod:`deployments.messages`)."""
+    def on_round(self, msg: DraftRoundMessage) -> None:
+        """A round's outcomes from the core (the actor transport)."""
         with self._cv:
-            self._enqueue(msg_no, first, payload)
+            self._enqueue(msg)
 
-    def step(self, msg: tuple) -> tuple[int, list[tuple]]:
-        """The compiled-graph transport's node: a message in, ``(round_for, drafts)`` out."""
-        msg_no, first, round_for, *payload = msg
+    def step(self, msg: DraftRoundMessage) -> DraftPush:
+        """The compiled-graph transport's node: a message in, its round's drafts out."""
         with self._cv:
-            if self._enqueue(msg_no, first, (round_for, *payload)):
-                while msg_no not in self._replies and self.error is None:
+            if self._enqueue(msg):
+                while msg.msg_no not in self._replies and self.error is None:
                     self._cv.wait()
-            return self._replies.pop(msg_no, (round_for, []))
+            return self._replies.pop(msg.msg_no, DraftPush(msg.round_for, []))
 
-    def _enqueue(self, msg_no: int, first: bool, payload: tuple) -> bool:
+    def _enqueue(self, msg: DraftRoundMessage) -> bool:
         """Queue a message for the loop (caller holds ``_cv``); False if it is stale."""
-        if first:  # a new core (or this draft is new to it): start from this message
-            self._inbox = {no: m for no, m in self._inbox.items() if no > msg_no}
-            self._next_no = msg_no
-        elif self._next_no is not None and msg_no < self._next_no:
+        if msg.first:  # a new core (or this draft is new to it): start from this message
+            self._inbox = {no: m for no, m in self._inbox.items() if no > msg.msg_no}
+            self._next_no = msg.msg_no
+        elif self._next_no is not None and msg.msg_no < self._next_no:
             return False  # from a core that has been replaced
         if not self._inbox:
             self._waiting_since = time.monotonic()
-        self._inbox[msg_no] = (first, *payload)
+        self._inbox[msg.msg_no] = msg
         self._cv.notify_all()
         return True
 
@@ -177,13 +169,12 @@ class DraftWorker:
                 with self._cv:
                     while not self._has_next():
                         self._cv.wait()
-                    msg_no = self._next_no
-                    msg = self._inbox.pop(msg_no)
+                    msg = self._inbox.pop(self._next_no)
                     self._next_no += 1
                     core = self._core
                     self._busy_since = time.monotonic()
                 try:
-                    self._handle(core, msg_no, *msg)
+                    self._handle(core, msg)
                 finally:
                     self._busy_since = None
                     self._waiting_since = time.monotonic()
@@ -194,44 +185,53 @@ class DraftWorker:
                 self._cv.notify_all()
             self._stop_event.set()
 
-    def _send(self, core, msg_no: int, round_for: int, items: list[tuple]) -> None:
-        """Drafts for ``round_for`` to the core: the reply of a compiled-graph step, or a push."""
+    def _send(self, core, msg_no: int, push: DraftPush) -> None:
+        """Drafts to the core: the reply of a compiled-graph step, or a push."""
         if self._reply_in_step:
             with self._cv:
-                self._replies[msg_no] = (round_for, items)
+                self._replies[msg_no] = push
                 self._cv.notify_all()
-        elif items and core is not None:
-            core.push_drafts.remote(round_for, items)
+        elif push.drafts and core is not None:
+            core.push_drafts.remote(push)
 
-    def _handle(self, core, msg_no, first, round_for, items, freed, stats) -> None:
-        verify_s, round_s, tokens = stats
-        if round_s is not None:
-            self.width.observe_round(tokens, round_s)
-        drafter = self.drafter
-        ids, ks, guesses, lost = self.rounds.apply(first, items, freed)
+    def _handle(self, core, msg: DraftRoundMessage) -> None:
+        """Draft what the core waits for now, then (overlap) prepare the next round's."""
+        feedback = msg.feedback
+        if feedback.round_s is not None:
+            self.width.observe_round(feedback.committed_tokens, feedback.round_s)
+        ids = self._draft_now(core, msg)
+        if not self.overlap or not ids or (core is None and not self._reply_in_step):
+            return
+        # Goodput is per round: an admission's message (no round time) does not start one.
+        budget = self.width.budget(len(ids), new_round=feedback.round_s is not None)
+        if budget:
+            self._speculate(core, ids, budget, msg.round_for + 1, feedback.verify_s)
+
+    def _draft_now(self, core, msg: DraftRoundMessage) -> list:
+        """Apply the message, draft its rows and send what the core does not hold yet;
+        returns the rows drafted (whose next outcomes may be prepared)."""
+        ids, ks, guesses, lost = self.rounds.apply(msg.first, msg.items, msg.freed)
         proposed = self.rounds.propose(ids, ks, lost)
         # A pushed branch (actor transport) is at the core already; a reply carries all.
-        pushes = [
-            push_item(sid, guesses[sid], d)
+        pushes: list[PushedDraft] = [
+            pushed_draft(sid, guesses[sid], d)
             for sid, d in proposed
             if self._reply_in_step or not d.speculative
         ]
-        ids = [sid for sid, _ in proposed]
-        results = [d for _, d in proposed]
         if self._speculated:  # rounds nobody prepared branches for say nothing of hits
-            self.width.observe_hits(sum(d.speculative for d in results), len(results))
+            hits = sum(d.speculative for _, d in proposed)
+            self.width.observe_hits(hits, len(proposed))
         self._speculated = False
-        self._send(core, msg_no, round_for, pushes + lost)
-        if not self.overlap or not ids or (core is None and not self._reply_in_step):
-            return
-        # Goodput is per round: an admission's message (no round stats) does not start one.
-        budget = self.width.budget(len(ids), new_round=round_s is not None)
-        if not budget:
-            return
+        self._send(core, msg.msg_no, DraftPush(msg.round_for, pushes + lost))
+        return [sid for sid, _ in proposed]
+
+    def _speculate(self, core, ids: list, budget: int, round_for: int, verify_s) -> None:
+        """Draft the likeliest outcomes of the round being verified, for ``round_for``;
+        a newer message stops it at the next draft step."""
         self._speculated = True
         t0 = time.perf_counter()
         try:
-            branches = drafter.speculate(ids, budget, should_stop=self._has_next)
+            branches = self.drafter.speculate(ids, budget, should_stop=self._has_next)
         except Exception:  # all or nothing: no branch was kept; the round goes on without
             logger.exception("speculation failed; continuing without branches")
             self._speculated = False  # no branches: the next round says nothing of hits
@@ -240,6 +240,5 @@ class DraftWorker:
         if branches:
             self.speculated += len(branches)
             if not self._reply_in_step:  # else they wait here for the next message
-                core.push_drafts.remote(
-                    round_for + 1, [push_item(br.seq_id, br.guess, br.drafts) for br in branches]
-                )
+                drafts = [pushed_draft(br.seq_id, br.guess, br.drafts) for br in branches]
+                core.push_drafts.remote(DraftPush(round_for, drafts))

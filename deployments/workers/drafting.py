@@ -1,7 +1,7 @@
 """What a draft does with the core's round messages, wherever the draft runs.
 
-The draft actor (:class:`deployments.workers.draft_worker.DraftWorker`) and a draft colocated in the
-core's process apply the same message items to a
+The draft actor (:class:`deployments.workers.draft_worker.DraftWorker`) and a draft
+colocated in the core's process apply the same round messages to a
 :class:`~specdec.speculation_cache.SpeculativeDrafter` and draft the same way, so they
 propose the same tokens (seeded rows draw the same numbers) and fail the same way: a
 sequence the draft fails on alone is given up (decoded target-only), never the batch.
@@ -13,24 +13,23 @@ import contextlib
 import logging
 from collections.abc import Hashable
 
+from deployments.messages import DraftItem, DraftStatus, PushedDraft
 from specdec.qcodec import CompactQ
 from specdec.sampling import SamplingParams
 from specdec.speculation_cache import Drafts, SpeculativeDrafter
 
 logger = logging.getLogger("specserve.drafting")
 
-# In place of a guess in a pushed draft item: the draft gave up on this sequence (it failed
-# there alone); the core decodes it target-only from then on.
-GIVE_UP = "give_up"
 
-
-def push_item(seq_id: Hashable, guess: tuple, drafts: Drafts) -> tuple:
-    """A draft item for the core: ``(seq_id, guess, tokens, q, speculative)``.
+def pushed_draft(seq_id: Hashable, guess: tuple, drafts: Drafts) -> PushedDraft:
+    """One row's drafts for the core, keyed by the outcome they continue.
 
     Tokens, not vocabularies: a greedy row carries its ids; a sampled row its q in 16 bits,
     over its support when top-k/top-p truncated it (:class:`specdec.qcodec.CompactQ`)."""
     q = None if drafts.probs is None else CompactQ.encode(drafts.probs)
-    return (seq_id, tuple(guess), drafts.tokens, q, drafts.speculative)
+    return PushedDraft(
+        seq_id, DraftStatus.DRAFTS, tuple(guess), drafts.tokens, q, drafts.speculative
+    )
 
 
 class DraftRounds:
@@ -41,13 +40,12 @@ class DraftRounds:
         self.failed_sequences = 0  # given up on (decoded target-only since)
 
     def apply(
-        self, first: bool, items: list[tuple], freed: list[Hashable]
-    ) -> tuple[list[Hashable], list[int], dict[Hashable, tuple], list[tuple]]:
-        """Take a message's frees and items (see :mod:`deployments.core.engine_core` for the
-        format).
+        self, first: bool, items: list[DraftItem], freed: list[Hashable]
+    ) -> tuple[list[Hashable], list[int], dict[Hashable, tuple], list[PushedDraft]]:
+        """Take a round message's frees and items (:class:`deployments.messages.DraftItem`).
 
         Returns the rows to draft, their k, the guess each drafts for (what the round
-        committed), and items for rows the draft lost track of or gave up on."""
+        committed), and pushes for rows the draft lost track of or gave up on."""
         drafter = self.drafter
         if first:  # a new core (or this draft is new to it): nothing held is valid
             for sid in list(drafter.seqs):
@@ -55,28 +53,36 @@ class DraftRounds:
         for sid in freed:
             drafter.free(sid)
         ids, ks, guesses, lost = [], [], {}, []
-        for sid, base_len, new_tokens, k, full, params in items:
+        for item in items:
+            sid = item.seq_id
             try:
-                if full is not None:
-                    if sid not in drafter.seqs and not drafter.has_room():
-                        raise RuntimeError("the draft's KV budget has no slot for it")
-                    prompt, output = full
-                    drafter.add(sid, [*prompt, *output], SamplingParams(**params), len(prompt))
-                elif drafter.length(sid) != base_len:
-                    lost.append((sid, None, None, None, False))
+                if item.restart is not None:
+                    self._restart(sid, item.restart)
+                elif drafter.length(sid) != item.base_len:
+                    lost.append(PushedDraft(sid, DraftStatus.LOST))
                     continue
                 else:
-                    drafter.commit(sid, new_tokens)
+                    drafter.commit(sid, item.new_token_ids)
             except Exception as exc:  # this sequence alone: it goes on target-only
                 lost.append(self.give_up(sid, exc))
                 continue
-            if k > 0:
+            if item.num_speculative_tokens > 0:
                 ids.append(sid)
-                ks.append(k)
-                guesses[sid] = tuple(new_tokens)
+                ks.append(item.num_speculative_tokens)
+                guesses[sid] = tuple(item.new_token_ids)
         return ids, ks, guesses, lost
 
-    def propose(self, ids: list, ks: list[int], lost: list) -> list[tuple[Hashable, Drafts]]:
+    def _restart(self, sid: Hashable, restart) -> None:
+        """Start ``sid`` from its committed tokens (new, new to this draft, or lost)."""
+        if sid not in self.drafter.seqs and not self.drafter.has_room():
+            raise RuntimeError("the draft's KV budget has no slot for it")
+        prompt, output = restart.prompt_token_ids, restart.output_token_ids
+        params = SamplingParams(**restart.sampling_params)
+        self.drafter.add(sid, [*prompt, *output], params, len(prompt))
+
+    def propose(
+        self, ids: list, ks: list[int], lost: list[PushedDraft]
+    ) -> list[tuple[Hashable, Drafts]]:
         """``drafter.propose`` for the batch; if it fails, each sequence alone, rebuilt from
         its committed tokens (the failed pass may have left its KV half-written). Rows
         that fail alone are given up (their items appended to ``lost``)."""
@@ -98,11 +104,11 @@ class DraftRounds:
                 lost.append(self.give_up(sid, exc))
         return done
 
-    def give_up(self, sid: Hashable, exc: BaseException) -> tuple:
+    def give_up(self, sid: Hashable, exc: BaseException) -> PushedDraft:
         """Drafting ``sid`` failed: free it and tell the core to decode it target-only
         (a draft-side fault of one request must not end the loop that serves all)."""
         logger.warning("drafting %r failed (%r); it continues target-only", sid, exc)
         self.failed_sequences += 1
         with contextlib.suppress(Exception):
             self.drafter.free(sid)
-        return (sid, GIVE_UP, None, None, False)
+        return PushedDraft(sid, DraftStatus.GAVE_UP)

@@ -11,6 +11,8 @@ from scipy.stats import chisquare
 
 from deployments.config import EngineConfig
 from deployments.frontend.engine_client import EngineClient, EngineError
+from deployments.messages import DriftAlert, EngineCoreRequest
+from monitoring.records import ReportReply
 from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
@@ -480,8 +482,10 @@ def test_a_failing_request_fails_alone_and_leaks_nothing(
         await asyncio.sleep(0.05)
         await engine.target.add_requests.remote(
             [
-                ("bad-token", [5, 10**6, 7], [], greedy, 3, "default", False),
-                ("past-context", [*range(3, 90)] * 5 + [4] * 60, [], greedy, 3, "d", False),
+                EngineCoreRequest("bad-token", [5, 10**6, 7], [], greedy, 3, "default", False),
+                EngineCoreRequest(
+                    "past-context", [*range(3, 90)] * 5 + [4] * 60, [], greedy, 3, "d", False
+                ),
             ]
         )
         results = await asyncio.gather(*normal)
@@ -516,8 +520,8 @@ def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
         with pytest.raises(ray.exceptions.RayTaskError, match="already in use"):
             await engine.target.add_requests.remote(
                 [
-                    ("twice", [5], [], {"max_tokens": 4}, 0, "default", False),
-                    ("twice", [6], [], {"max_tokens": 4}, 0, "default", False),
+                    EngineCoreRequest("twice", [5], [], {"max_tokens": 4}, 0, "default", False),
+                    EngineCoreRequest("twice", [6], [], {"max_tokens": 4}, 0, "default", False),
                 ]
             )
         return await first
@@ -783,7 +787,7 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
     async def sink(batch, requests, cursor):  # the monitor's role: collect what arrives
         batches.append(batch)
         records.extend(requests)
-        return [], cursor
+        return ReportReply([], cursor)
 
     longer = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
@@ -802,7 +806,7 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
         await collect(engine, PROMPTS[0], longer, domain="a")
         await asyncio.sleep(0.5)  # one more flush: every round so far has reached the sink
         before = len(batches)
-        await engine.target.on_drift.remote([("a", 0.0)])
+        await engine.target.on_drift.remote([DriftAlert("a", 0.0)])
         after = [await collect(engine, p, GREEDY, domain="a") for p in PROMPTS[:6]]
         await asyncio.sleep(0.5)
         paused = (await engine.round_timings())["paused"]
@@ -813,7 +817,7 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
         async for out in engine.generate(PROMPTS[0], LONG, domain="a"):
             tokens += out.new_token_ids
             if not sent and len(tokens) >= 12:  # paused after 8 rounds; 288 rounds to go
-                sent = await engine.target.on_drift.remote([("a", 1.0)]) or True
+                sent = await engine.target.on_drift.remote([DriftAlert("a", 1.0)]) or True
         resumed = await engine.round_timings()
         # Every request's record reaches the sink, the last one with the next flush: wait
         # for it (a fixed count read before that flush was this test's flake).

@@ -5,9 +5,16 @@ from dataclasses import replace
 
 import pytest
 
-from deployments.core.draft_link import DraftLink
+from deployments.core.draft_link import ActorDraftLink
 from deployments.core.scheduler import PAUSE_AFTER_ROUNDS, RunningSeq, Scheduler
-from deployments.workers.drafting import GIVE_UP
+from deployments.messages import (
+    DraftItem,
+    DraftPush,
+    DraftRestart,
+    DraftStatus,
+    EngineCoreRequest,
+    PushedDraft,
+)
 from specdec.policy import SpeculationLength
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
@@ -15,14 +22,16 @@ from specdec.sequence import SequenceState
 
 def item(sid, k=4, prompt=(1, 2, 3), auto=False):
     params = {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True}
-    return (sid, list(prompt), [], params, k, "default", auto)
+    return EngineCoreRequest(sid, list(prompt), [], params, k, "default", auto)
 
 
-def running(sched, it, output=(7,)):
-    sid, prompt, _, params, k, domain, auto = it
-    state = SequenceState(sid, list(prompt), SamplingParams(**params))
+def running(sched, req, output=(7,)):
+    params = SamplingParams(**req.sampling_params)
+    state = SequenceState(req.request_id, list(req.prompt_token_ids), params)
     state.output_token_ids = list(output)
-    seq = RunningSeq(state, k, domain=domain, auto=auto, guess=tuple(output))
+    seq = RunningSeq(
+        state, req.num_speculative_tokens, domain=req.domain, auto=req.auto_k, guess=tuple(output)
+    )
     sched.start(seq)
     return seq
 
@@ -31,14 +40,15 @@ def test_admission_waits_for_kv_slots_in_arrival_order():
     sched = Scheduler(max_num_seqs=4, max_model_len=100, draft_max_model_len=100)
     sched.enqueue([item(f"r{i}") for i in range(6)])
     first = sched.admit(free_slots=2)  # the KV budget holds 2 though 4 may run
-    assert [it[0] for it in first] == ["r0", "r1"]
+    assert [it.request_id for it in first] == ["r0", "r1"]
     for it in first:
         running(sched, it)
     assert sched.admit(free_slots=0) == []  # full: the rest wait, none fails
-    assert [it[0] for it in sched.waiting] == ["r2", "r3", "r4", "r5"]
-    assert [it[0] for it in sched.admit(free_slots=10)] == ["r2", "r3"]  # max_num_seqs caps
+    assert [it.request_id for it in sched.waiting] == ["r2", "r3", "r4", "r5"]
+    admitted = sched.admit(free_slots=10)
+    assert [it.request_id for it in admitted] == ["r2", "r3"]  # max_num_seqs caps
     assert sched.abort({"r4", "r0"}) == ["r0"]  # a waiting one just leaves the queue
-    assert [it[0] for it in sched.waiting] == ["r5"]
+    assert [it.request_id for it in sched.waiting] == ["r5"]
 
 
 def test_k_stays_within_max_tokens_and_both_contexts():
@@ -58,10 +68,12 @@ def test_draft_items_full_then_incremental_and_give_up():
     sched.has_draft = True
     seq = running(sched, item("a", k=3))
     full = sched.draft_item(seq)
-    assert full[0] == "a" and full[4] == ([1, 2, 3], [7]) and full[5]["temperature"] == 0.0
+    assert full.seq_id == "a" and full.restart.sampling_params["temperature"] == 0.0
+    assert (full.restart.prompt_token_ids, full.restart.output_token_ids) == ([1, 2, 3], [7])
     seq.base_len = 4
-    assert sched.draft_item(seq) == ("a", 4, [7], 3, None, None)
-    assert sched.full_items()[0][4] == ([1, 2, 3], [7])  # a new draft gets it in full again
+    assert sched.draft_item(seq) == DraftItem("a", 4, [7], 3, None)
+    again = sched.full_items()[0].restart  # a new draft gets it in full again
+    assert again == DraftRestart([1, 2, 3], [7], full.restart.sampling_params)
     sched.give_up(seq)
     assert sched.k_for(seq) == 0 and sched.take_dropped() == ["a"] and sched.dropped == []
 
@@ -75,7 +87,7 @@ def test_a_row_the_policy_keeps_at_zero_leaves_the_draft_and_comes_back():
     sched = Scheduler(max_num_seqs=2, max_model_len=1000, draft_max_model_len=1000, policy=policy)
     sched.has_draft = True
     seq = running(sched, item("a", k=4, auto=True))
-    assert seq.auto and sched.draft_item(seq)[3] == 0
+    assert seq.auto and sched.draft_item(seq).num_speculative_tokens == 0
     items = []
     for _ in range(PAUSE_AFTER_ROUNDS + 2):
         sched.forced = None
@@ -84,23 +96,27 @@ def test_a_row_the_policy_keeps_at_zero_leaves_the_draft_and_comes_back():
     assert sched.take_dropped() == ["a"]  # told to the draft once
     sched.forced = 2  # a cost measurement drafts again (as would a recovered domain)
     back = sched.draft_item(seq)
-    assert back is not None and back[4] is not None  # resumed: sent in full
+    assert back is not None and back.restart is not None  # resumed: sent in full
     assert seq.resuming and sched.resumed == 1
 
 
 # ----- the draft link (no draft actor: pushes are stored and gathered) -------------------------
 
 
+def drafts(sid, guess, tokens, speculative=False):
+    return PushedDraft(sid, DraftStatus.DRAFTS, guess, tokens, None, speculative)
+
+
 def test_gather_takes_pushed_drafts_for_this_round_and_guess():
     live = {"a", "b", "c"}
-    link = DraftLink("actor", is_live=live.__contains__)
+    link = ActorDraftLink("actor", is_live=live.__contains__)
     link.set_draft(object())  # any handle: gather never calls it
     link.round = 5
-    link.store(4, [("a", (1,), [9], None, False)])  # a round already past: dropped
-    link.store(5, [("a", (2,), [3, 4], None, True), ("b", (8,), [5], None, False)])
-    link.store(5, [("c", GIVE_UP, None, None, False), ("gone", (1,), [1], None, False)])
+    link.store(DraftPush(4, [drafts("a", (1,), [9])]))  # a round already past: dropped
+    link.store(DraftPush(5, [drafts("a", (2,), [3, 4], True), drafts("b", (8,), [5])]))
+    link.store(DraftPush(5, [PushedDraft("c", DraftStatus.GAVE_UP), drafts("gone", (1,), [1])]))
     got = link.gather({"a": (2,), "b": (7,), "c": (1,)}, timeout_s=0.05)
-    assert got.found == {"a": ([3, 4], None, True)}
+    assert got.found == {"a": drafts("a", (2,), [3, 4], True)}
     assert got.timed_out == ["b"] and got.had_draft  # pushed for another guess
     assert got.resync == ["c"] and got.gave_up == ["c"]
     assert link.kept() == {"b"}
@@ -110,11 +126,11 @@ def test_gather_takes_pushed_drafts_for_this_round_and_guess():
 
 def test_gather_wakes_on_a_push_and_stops_waiting_when_the_draft_goes():
     live = {"a"}
-    link = DraftLink("actor", is_live=live.__contains__)
+    link = ActorDraftLink("actor", is_live=live.__contains__)
     link.set_draft(object())
-    pusher = threading.Timer(0.05, link.store, args=(0, [("a", (), [1, 2], None, False)]))
+    pusher = threading.Timer(0.05, link.store, args=(DraftPush(0, [drafts("a", (), [1, 2])]),))
     pusher.start()
-    assert link.gather({"a": ()}, timeout_s=30).found == {"a": ([1, 2], None, False)}
+    assert link.gather({"a": ()}, timeout_s=30).found == {"a": drafts("a", (), [1, 2])}
     threading.Timer(0.05, link.set_draft, args=(None,)).start()
     got = link.gather({"a": ()}, timeout_s=30)  # returns when the draft is gone, not at 30 s
     assert got.timed_out == ["a"] and not got.had_draft and got.waited_s < 10
@@ -123,6 +139,6 @@ def test_gather_wakes_on_a_push_and_stops_waiting_when_the_draft_goes():
 @pytest.mark.parametrize("live", [True, False])
 def test_a_push_for_an_ended_sequence_is_not_kept(live):
     ids = {"a"} if live else set()
-    link = DraftLink("actor", is_live=ids.__contains__)
-    link.store(0, [("a", (1,), [2], None, False)])
+    link = ActorDraftLink("actor", is_live=ids.__contains__)
+    link.store(DraftPush(0, [drafts("a", (1,), [2])]))
     assert link.kept() == ({"a"} if live else set())

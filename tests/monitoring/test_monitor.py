@@ -12,8 +12,15 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from monitoring.drift import DriftConfig, DriftState
-from monitoring.metrics import RequestRecord, RoundBatch, RoundRecord
 from monitoring.monitor import DRIFT_EVENT, Monitor, build_providers
+from monitoring.records import (
+    AlertCursor,
+    AlertRecord,
+    ReportReply,
+    RequestRecord,
+    RoundBatch,
+    RoundRecord,
+)
 from specdec.speedup import break_even_alpha, expected_tokens_per_round
 
 K = 4
@@ -113,7 +120,9 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     (fired,) = mon.events
     assert fired.kind == "fire" and fired.domain == "python" and fired.k == K
     # A replica new to the monitor while it fires learns of the firing alert.
-    assert mon.alerts_since(None) == ([("python", fired.current)], (mon.epoch, 1))
+    assert mon.alerts_since(None) == ReportReply(
+        [AlertRecord("python", fired.current)], AlertCursor(mon.epoch, 1)
+    )
     gauge = points(reader, "specserve.acceptance_drift")
     assert gauge[frozenset({"model": "demo-target", "domain": "python"}.items())] == 1
     for _ in range(60):
@@ -122,7 +131,7 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
         mon.report(batch(rounds(rng, "python", 0.75, 20) + rounds(rng, "prose", 0.75, 20)))
     assert [e.kind for e in mon.events] == ["fire", "resolve"]
     assert gauge_value(reader, "python") == 0
-    assert mon.alerts_since(None)[0] == []  # resolved: nothing firing for new replicas
+    assert mon.alerts_since(None).alerts == []  # resolved: nothing firing for new replicas
     records = [r.log_record for r in logs.get_finished_logs()]
     assert [r.event_name for r in records] == [DRIFT_EVENT, DRIFT_EVENT]
     assert [r.severity_number for r in records] == [SeverityNumber.WARN, SeverityNumber.INFO]
@@ -132,15 +141,17 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     assert attrs["specserve.current"] < 0.6
     assert {"specserve.rounds", "specserve.break_even"} <= set(attrs)
     # What replicas learn: each alert change once, in order, with the latest estimate.
-    start = (mon.epoch, 0)  # a replica that flushed before the alert
-    alerts, cursor = mon.alerts_since(start)
-    assert [d for d, _ in alerts] == ["python", "python"] and cursor == (mon.epoch, 2)
-    assert alerts[0][1] == pytest.approx(mon.events[0].current)
-    assert mon.alerts_since(cursor) == ([], cursor)
+    start = AlertCursor(mon.epoch, 0)  # a replica that flushed before the alert
+    reply = mon.alerts_since(start)
+    alerts, cursor = reply.alerts, reply.cursor
+    assert [a.domain for a in alerts] == ["python", "python"]
+    assert cursor == AlertCursor(mon.epoch, 2)
+    assert alerts[0].current_alpha == pytest.approx(mon.events[0].current)
+    assert mon.alerts_since(cursor) == ReportReply([], cursor)
     # A new replica, or one whose cursor is from a monitor since restarted: no history,
     # only what fires now (nothing: the alert resolved).
-    assert mon.alerts_since(None) == ([], cursor)
-    assert mon.alerts_since(("an-old-monitor", 1)) == ([], cursor)
+    assert mon.alerts_since(None) == ReportReply([], cursor)
+    assert mon.alerts_since(AlertCursor("an-old-monitor", 1)) == ReportReply([], cursor)
 
 
 def test_acceptance_by_position_counts_only_rounds_that_reached_it(monitor):
@@ -207,10 +218,12 @@ def test_policy_choices_become_gauges(monitor):
 
 def test_core_telemetry_is_bounded_and_drains():
     from deployments.core.round_stats import Telemetry
+    from specdec.stats import RoundStats, RowOutcome
 
     t = Telemetry(max_rounds=5)
     for i in range(4):
-        t.add([("d", 4, i % 5, False), ("e", 4, 4, True)], [("d", 2), ("e", 5)], 0.01, 0.0, 0.012)
+        rows = [RowOutcome("d", 4, i % 5, False, 2, True), RowOutcome("e", 4, 4, True, 5, True)]
+        t.add(RoundStats(2, 4, False, total_s=0.012, verify_s=0.01, rows=rows))
     out = t.drain()
     assert len(out["rounds"]) == 5 and out["dropped"] == 3
     assert out["committed"] == {"d": 8, "e": 20}
@@ -273,6 +286,6 @@ def test_an_acknowledged_alert_is_not_sent_to_new_replicas(monitor):
             break
         mon.report(batch(rounds(rng, "python", 0.3, 20)))
     assert [e.kind for e in mon.events] == ["fire"]
-    assert [d for d, _ in mon.alerts_since(None)[0]] == ["python"]
+    assert [a.domain for a in mon.alerts_since(None).alerts] == ["python"]
     mon.acknowledge("python")
-    assert mon.alerts_since(None)[0] == []
+    assert mon.alerts_since(None).alerts == []

@@ -1,0 +1,239 @@
+"""Every message that crosses a process boundary between the replica (frontend), the engine
+core and the draft worker: one small named type each, with the unit and shape of every
+field, so that neither end indexes a tuple the other built.
+
+Who sends what (docs/architecture.md, "Messages", has the table with sizes):
+
+- frontend -> core: :class:`EngineCoreRequest` (``EngineCore.add_requests``), request ids
+  to abort, :class:`DriftAlert` (``on_drift``);
+- core -> frontend: :class:`EngineCoreOutputs` of :class:`EngineCoreOutput`
+  (``get_outputs``, a long-poll), :class:`TelemetrySnapshot` (``drain_telemetry``);
+- core -> draft: :class:`DraftRoundMessage` of :class:`DraftItem`
+  (``DraftWorker.on_round``, or one Compiled Graph step);
+- draft -> core: :class:`DraftPush` of :class:`PushedDraft` (``push_drafts``, or the
+  step's reply);
+- frontend -> either actor, once: :class:`EngineCoreConfig`, :class:`DraftWorkerConfig`.
+
+A leaf module: it imports nothing of the project but ``specdec``. The types are frozen
+dataclasses with slots; they pickle as their class and a tuple of their fields (no field
+names on the wire), so a round message costs what the tuples it replaced did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
+
+from specdec.qcodec import CompactQ
+from specdec.stats import RowOutcome, SpecCounts
+
+__all__ = [
+    "ColocatedDraftConfig",
+    "DraftItem",
+    "DraftPush",
+    "DraftRestart",
+    "DraftRoundMessage",
+    "DraftStatus",
+    "DraftWorkerConfig",
+    "DriftAlert",
+    "EngineCoreConfig",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "PushedDraft",
+    "RoundFeedback",
+    "RowOutcome",
+    "SpecCounts",
+    "TelemetrySnapshot",
+]
+
+
+class _Message:
+    """Pickles as ``(class, field values)``: as compact as a tuple, read by name."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
+
+
+# ----- frontend <-> core --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest(_Message):
+    """Start a request in the core, or resume one a replaced core had committed tokens of."""
+
+    request_id: Hashable
+    prompt_token_ids: list[int]  # [prompt_len]
+    output_token_ids: list[int]  # [committed]: non-empty resumes the request after them
+    sampling_params: dict[str, Any]  # specdec.sampling.SamplingParams fields (asdict)
+    num_speculative_tokens: int  # k per round; with ``auto_k``, its upper bound
+    domain: str  # the traffic domain (policy and telemetry key)
+    auto_k: bool  # the length policy chooses k each round
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput(_Message):
+    """What one round (or a prefill) committed for one request."""
+
+    request_id: Hashable
+    new_token_ids: list[int]  # [new]: committed this round, after EOS/stop-id cuts
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "error" or None while running
+    num_output_tokens: int  # committed so far, these included
+    spec_counts: SpecCounts  # the request's speculation so far (a copy)
+    error: str | None = None  # set: the request failed alone in the core
+    # per new token (logprob, [(token_id, logprob), ...]) when the request asked for them
+    logprobs: list[tuple] | None = None
+    # the prompt's tokens after the first, in that form: on a scoring request's first output
+    prompt_logprobs: list[tuple] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutputs(_Message):
+    """One long-poll's answer: outputs after the caller's cursor."""
+
+    cursor: int  # pass it back next time: outputs before it are acknowledged and dropped
+    outputs: list[EngineCoreOutput]
+    error: str | None = None  # the core's loop failed: every request ends with it
+
+
+@dataclass(frozen=True, slots=True)
+class DriftAlert(_Message):
+    """The monitor's drift alert for a domain, handed to the core's length policy."""
+
+    domain: str
+    current_alpha: float  # α̂ the detector estimates now (docs/architecture.md, Formulas)
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySnapshot(_Message):
+    """The core's round records since the last drain, and its batch state, for the monitor."""
+
+    rounds: list[RowOutcome]  # one per drafted row per round, oldest first
+    committed: dict[str, int]  # domain -> tokens committed [tokens]
+    verify_s: list[float]  # per engine round [s]
+    draft_wait_s: list[float]  # per engine round [s]
+    overhead_s: list[float]  # per engine round [s]
+    dropped: int  # drafted rows dropped from the bounded buffer since the last drain
+    running: int  # sequences in the batch
+    waiting: int  # requests queued for a KV slot
+    kv_cache_usage: float  # the target's KV slots in use / allocated
+    kv_cache_token_usage: float  # tokens held / (slots x max_model_len)
+    policy: dict[str, dict]  # domain -> the length policy's choice (SpeculationLength.state)
+
+
+# ----- core <-> draft ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRestart(_Message):
+    """A sequence the draft must (re)start from scratch: new, new to this draft, or lost."""
+
+    prompt_token_ids: list[int]  # [prompt_len]
+    output_token_ids: list[int]  # [committed]: penalties count them apart from the prompt
+    sampling_params: dict[str, Any]  # SamplingParams fields (asdict)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftItem(_Message):
+    """One row of a round message: what the last round committed, what is wanted next."""
+
+    seq_id: Hashable
+    base_len: int  # committed tokens before ``new_token_ids`` [tokens]
+    new_token_ids: list[int]  # [new]: committed by the round that just ended
+    num_speculative_tokens: int  # drafts wanted for the next round (0: none)
+    restart: DraftRestart | None = None  # set: forget what you hold, start from this
+
+
+@dataclass(frozen=True, slots=True)
+class RoundFeedback(_Message):
+    """What the draft's speculation-width policy learns from the round that just ended."""
+
+    verify_s: float | None  # decayed mean of the target's verification time [s]
+    round_s: float | None  # the round's wall time [s]; None: not a round (an admission)
+    committed_tokens: int  # tokens the round committed, over all rows [tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRoundMessage(_Message):
+    """The core's one message to the draft per round (and per admission or abort)."""
+
+    msg_no: int  # grows with time: a replacement core's numbers exceed its predecessor's
+    first: bool  # the first message to this draft: drop everything held
+    round_for: int  # the round the wanted drafts are for
+    items: list[DraftItem]
+    freed: list[Hashable]  # sequences that ended or left the draft
+    feedback: RoundFeedback
+
+
+class DraftStatus(str, Enum):
+    """What a pushed row says (an explicit field, never a sentinel in the guess)."""
+
+    DRAFTS = "drafts"  # drafts for the round in which the row committed ``guess``
+    LOST = "lost"  # the draft lost track of the row: send it in full (DraftRestart)
+    GAVE_UP = "gave_up"  # drafting failed for this row alone: decode it target-only
+
+
+@dataclass(frozen=True, slots=True)
+class PushedDraft(_Message):
+    """One row's drafts, keyed by the outcome they continue."""
+
+    seq_id: Hashable
+    status: DraftStatus
+    guess: tuple[int, ...] = ()  # the tokens the previous round must have committed
+    token_ids: list[int] | None = None  # [k']: the drafts (k' <= k: a confidence stop)
+    q: CompactQ | None = None  # sampled rows: the 16-bit distribution each was drawn from
+    speculative: bool = False  # prepared ahead, while the previous round was verified
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPush(_Message):
+    """Drafts from the draft to the core, for one round."""
+
+    round_for: int  # the round they are for (older than the core's: dropped)
+    drafts: list[PushedDraft]
+
+
+# ----- actor construction (frontend -> core, frontend -> draft) -----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ColocatedDraftConfig(_Message):
+    """A draft the core runs in its own process (``draft_placement: colocated``)."""
+
+    spec: dict[str, Any]  # deployments.config.ModelSpec fields (model_dump)
+    min_confidence: float  # speculation.draft_confidence_threshold
+    tokenizer_size: int | None  # len(tokenizer): proposals stay below it (None: no limit)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreConfig(_Message):
+    """What :class:`deployments.core.engine_core.EngineCore` is built from."""
+
+    spec: dict[str, Any]  # the target's ModelSpec fields (model_dump)
+    max_num_seqs: int  # sequences in one batch
+    eos_token_ids: list[int]  # the tokenizer's; the core adds generation_config's
+    draft_timeout_s: float  # longest wait for a round's drafts [s]
+    draft_max_model_len: int | None = None  # the draft's context (None: the target's)
+    transport: str = "actor"  # "actor" or "compiled_graph" messages to a draft actor
+    # specdec.policy.LengthPolicyConfig fields; None: every request runs at its fixed k
+    length_policy: dict[str, Any] | None = None
+    telemetry: bool = False  # keep round records for drain_telemetry (a monitor runs)
+    colocated_draft: ColocatedDraftConfig | None = None  # None: a draft actor connects
+
+
+@dataclass(frozen=True, slots=True)
+class DraftWorkerConfig(_Message):
+    """What :class:`deployments.workers.draft_worker.DraftWorker` is built from."""
+
+    spec: dict[str, Any]  # the draft's ModelSpec fields (model_dump)
+    max_num_seqs: int  # sequences the core runs at once (a KV slot kept for each)
+    speculation_width: int  # outcomes prepared per sequence while the target verifies
+    overlap: bool  # draft ahead while the target verifies
+    adaptive_overlap: bool = True  # adapt the width to hits and time (SpeculationWidth)
+    transport: str = "actor"  # "compiled_graph": drafts go back as the step's reply
+    min_confidence: float = 0.0  # stop a row's drafts below this draft probability

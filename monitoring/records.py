@@ -1,0 +1,86 @@
+"""The records a replica sends the monitor, and what the monitor answers.
+
+The monitor is a Serve deployment of its own, updated apart from the replicas: during a
+rolling update of either side, a record pickled by one version is read by the other. So
+these are plain frozen dataclasses (no slots: unpickling restores their ``__dict__``), and
+every field added after the first has a default, which an older sender's record falls
+back to (a dataclass field's default is a class attribute); a field a newer sender adds
+is ignored by an older reader's code. Never rename or retype a field; add one instead.
+``tests/monitoring/test_records.py`` holds that rule to account.
+
+Imports nothing of the project (the monitor imports only ``specdec`` and itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One sequence's verification round that carried drafts."""
+
+    domain: str
+    drafted: int  # draft tokens verified
+    accepted: int  # of them accepted (a rejection happened iff accepted < drafted)
+    cache_hit: bool = False  # the drafts were prepared while the previous round verified
+
+
+@dataclass(frozen=True)
+class RoundBatch:
+    """What a replica sends per flush: its rounds since the last one, and its state."""
+
+    model: str
+    replica: str
+    rounds: Sequence[RoundRecord] = ()
+    verify_s: Sequence[float] = ()  # per engine round
+    draft_wait_s: Sequence[float] = ()
+    overhead_s: Sequence[float] = ()
+    committed: dict[str, int] = field(default_factory=dict)  # domain -> tokens committed
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0  # the target's KV slots in use / allocated
+    kv_cache_token_usage: float = 0.0  # ... tokens held / slots x max_model_len
+    # domain -> {"k", "alpha", "round_time_ratio": {k: T(k) / T(0)}}
+    policy: dict[str, dict] = field(default_factory=dict)
+    dropped: int = 0  # sequence-rounds the replica's buffer dropped since the last flush
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """A finished request, for the GenAI server histograms."""
+
+    model: str
+    replica: str
+    domain: str
+    operation: str  # gen_ai.operation.name: "text_completion" or "chat"
+    time_to_first_token_s: float | None
+    duration_s: float
+    output_tokens: int
+    error_type: str | None = None
+
+
+@dataclass(frozen=True)
+class AlertCursor:
+    """Where a replica is in the monitor's alert history (opaque to the replica)."""
+
+    epoch: str  # the monitor's identity: a restarted monitor has a new one
+    count: int  # alert changes seen so far
+
+
+@dataclass(frozen=True)
+class AlertRecord:
+    """A drift alert's change for the replicas' length policies (a fire and a resolve
+    both carry the latest estimate)."""
+
+    domain: str
+    current_alpha: float  # α̂ the detector estimates now
+
+
+@dataclass(frozen=True)
+class ReportReply:
+    """The monitor's answer to a flush: alert changes since the replica's cursor."""
+
+    alerts: list[AlertRecord]
+    cursor: AlertCursor  # send it back with the next flush
