@@ -1,8 +1,9 @@
 """Bytes per round and their cost between actors: the draft's push to the engine core.
 
 For vocabulary 128256 and k = 5, at batch 1 and 32, greedy, T = 1 and top-p 0.9, this
-builds the round's push exactly as the draft worker does (``_push_item``: token ids, and
-for sampled rows ``q``) in the old form (float32 ``[k, vocab]`` numpy per sampled row)
+builds the round's push exactly as the draft worker does (a
+:class:`deployments.messages.DraftPush` of ``pushed_draft`` rows: token ids, and for sampled
+rows ``q``) in the old form (float32 ``[k, vocab]`` numpy per sampled row)
 and the new one (:class:`specdec.qcodec.CompactQ`), measures its pickled size, and times
 a push of it from one Ray actor to another and back (the round's overhead between
 actors), the two forms interleaved. Draft distributions come from random logits through
@@ -26,7 +27,8 @@ import torch
 from tqdm import tqdm
 
 from bench.common import RESULTS, median, write_result
-from deployments.workers import _push_item
+from deployments.messages import DraftPush
+from deployments.workers.drafting import pushed_draft
 from specdec.qcodec import quantize_q
 from specdec.sampling import SamplingParams, probs_for
 from specdec.speculation_cache import Drafts
@@ -61,8 +63,8 @@ def _old_item(seq_id, drafts: Drafts) -> tuple:
 
 @ray.remote
 class Core:
-    def push(self, round_for, items) -> int:
-        return round_for
+    def push(self, push) -> int:
+        return 0
 
 
 @ray.remote
@@ -70,9 +72,9 @@ class Draft:
     def __init__(self, core):
         self.core = core
 
-    def push_and_wait(self, items) -> float:
+    def push_and_wait(self, push) -> float:
         start = time.perf_counter()
-        ray.get(self.core.push.remote(0, items))
+        ray.get(self.core.push.remote(push))
         return time.perf_counter() - start
 
 
@@ -90,8 +92,8 @@ def main() -> None:
     for batch, name in tqdm(cases, desc="transport"):
         drafts = [_drafts(SETTINGS[name], gen) for _ in range(batch)]
         payload = {
-            "old": [_old_item(i, d) for i, d in enumerate(drafts)],
-            "new": [_push_item(i, (), d) for i, d in enumerate(drafts)],
+            "old": (0, [_old_item(i, d) for i, d in enumerate(drafts)]),
+            "new": DraftPush(0, [pushed_draft(i, (), d) for i, d in enumerate(drafts)]),
         }
         row = {}
         for form, items in payload.items():

@@ -13,8 +13,8 @@ Imported (and their config builders validated against ``deployments.config``) bu
 run: ``bench.pipeline`` and ``bench.telemetry`` start Ray actors; ``bench.http`` needs a
 running server; ``bench.peers``, ``bench.policy``, ``bench.soak``, ``bench.ttft`` (its
 measurement) and ``bench.serving`` (GuideLLM too) deploy Serve applications;
-``bench.transport`` starts Ray actors (and is being rewritten, see ``XFAIL``). ``bench.common``
-is exercised by every run above.
+``bench.transport`` starts Ray actors of its own (``ray.init``). ``bench.common`` is exercised
+by every run above.
 """
 
 from __future__ import annotations
@@ -32,12 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 MODULES = sorted(f"bench.{p.stem}" for p in BENCH.glob("*.py") if p.stem != "__init__")
 
-XFAIL = {
-    "bench.transport": pytest.mark.xfail(
-        strict=True, reason="bench/transport.py is being rewritten onto deployments.messages"
-    ),
-}
-
 
 def imported_names(path: Path) -> list[tuple[str, str | None]]:
     """(module, name) for every absolute import in the file, function-local ones too."""
@@ -50,9 +44,7 @@ def imported_names(path: Path) -> list[tuple[str, str | None]]:
     return out
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(m, marks=XFAIL.get(m, ())) for m in MODULES], ids=MODULES
-)
+@pytest.mark.parametrize("name", MODULES, ids=MODULES)
 def test_module_and_everything_it_imports_exist(name):
     importlib.import_module(name)
     path = BENCH / f"{name.split('.', 1)[1]}.py"
