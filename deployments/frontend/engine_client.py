@@ -278,6 +278,41 @@ class EngineClient:
 
         Without ``num_speculative_tokens`` the length policy (``speculation.policy``)
         chooses k per round for the request's ``domain``, up to the configured k."""
+        self._check_admission()
+        self._check_request(prompt_token_ids, params, num_speculative_tokens)
+        k, auto = self.config.speculation.draft_length(
+            speculation,
+            num_speculative_tokens,
+            params.seed is not None,
+            self.config.draft is not None,
+        )
+        req = self._new_request(request_id, prompt_token_ids, params, k, domain, auto)
+        t_start, t_first, error_type = time.perf_counter(), None, None
+        try:
+            await self._start_request(req)
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if t_first is None and item.new_token_ids:
+                    t_first = time.perf_counter()
+                yield item
+                if item.finished:
+                    return
+        except BaseException as exc:
+            if not req.finished or not isinstance(exc, GeneratorExit):  # else: closed at its end
+                error_type = type(exc).__name__
+            raise
+        finally:
+            if self.telemetry is not None:
+                n_out = len(req.output_token_ids)
+                self.telemetry.record_request(
+                    req.domain, operation, n_out, t_start, t_first, error_type
+                )
+            self._end_request(req)
+
+    def _check_admission(self) -> None:
+        """The engine can take a request now (else EngineError, or overloaded)."""
         if self._fatal:
             raise EngineError(self._fatal)
         if not self.ready:
@@ -285,6 +320,12 @@ class EngineClient:
         sched = self.config.scheduler
         if len(self._requests) >= sched.max_num_seqs + sched.max_waiting:
             raise EngineOverloadedError("too many requests waiting; retry later")
+
+    def _check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, num_speculative_tokens
+    ) -> None:
+        """What only the engine knows (vocabulary, context, k bounds); every caller's check,
+        so a request that reaches the core cannot fail there for its input."""
         vocab = self.target_info["vocab_size"]
         if not prompt_token_ids or any(
             not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
@@ -316,12 +357,9 @@ class EngineClient:
                 f"num_speculative_tokens must be in [0, {spec.max_speculative_tokens}]",
                 "speculation.num_speculative_tokens",
             )
-        k, auto = spec.draft_length(
-            speculation,
-            num_speculative_tokens,
-            params.seed is not None,
-            self.config.draft is not None,
-        )
+
+    def _new_request(self, request_id, prompt_token_ids, params, k, domain, auto) -> RequestState:
+        """The request's state, registered under its id (refused if the id is in use)."""
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
@@ -334,43 +372,25 @@ class EngineClient:
             rid, list(prompt_token_ids), params, k, asyncio.Queue(), detok, domain=domain, auto=auto
         )
         self._requests[rid] = req
-        t_start, t_first, error_type = time.perf_counter(), None, None
+        return req
+
+    async def _start_request(self, req: RequestState) -> None:
+        """Hand the request to the core (unless a replacement core will be given it)."""
         try:
-            try:
-                if not self._replacing_target:  # else the replacement starts it
-                    await self._call(self.target.add_requests.remote([req.core_request()]))
-            except (RayActorError, asyncio.TimeoutError):
-                pass  # the poller replaces the target and resumes every known request
-            except Exception as exc:
-                raise EngineError(f"could not start the request: {exc}") from exc
-            while True:
-                item = await req.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if t_first is None and item.new_token_ids:
-                    t_first = time.perf_counter()
-                yield item
-                if item.finished:
-                    return
-        except BaseException as exc:
-            if not req.finished or not isinstance(exc, GeneratorExit):  # else: closed at its end
-                error_type = type(exc).__name__
-            raise
-        finally:
-            if self.telemetry is not None:
-                self.telemetry.record_request(
-                    req.domain,
-                    operation,
-                    len(req.output_token_ids),
-                    t_start,
-                    t_first,
-                    error_type,
-                )
-            self._requests.pop(rid, None)
-            if not req.finished:
-                req.finished = True
-                self.aborted += 1
-                self._abort([rid])
+            if not self._replacing_target:  # else the replacement starts it
+                await self._call(self.target.add_requests.remote([req.core_request()]))
+        except (RayActorError, asyncio.TimeoutError):
+            pass  # the poller replaces the target and resumes every known request
+        except Exception as exc:
+            raise EngineError(f"could not start the request: {exc}") from exc
+
+    def _end_request(self, req: RequestState) -> None:
+        """Forget the request; one that did not finish is aborted in the core."""
+        self._requests.pop(req.request_id, None)
+        if not req.finished:
+            req.finished = True
+            self.aborted += 1
+            self._abort([req.request_id])
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:

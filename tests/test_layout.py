@@ -1,0 +1,94 @@
+"""The layout docs/architecture.md promises ("Layout", "Messages"), held by the code:
+imports run one way between the layers, the leaves import no layer, the monitor imports
+nothing of the serving side, and no function grows past what one can hold in one's head."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Left to right: a package may import only packages to its right (and the leaves).
+LAYERS = ["deployments.openai", "deployments.frontend", "deployments.core", "deployments.workers"]
+LEAVES = {"deployments.messages", "deployments.config"}
+MAX_FUNCTION_LINES = 80  # the limit; the aim is 60 (docs/architecture.md, Layout)
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package.replace(".", "/")).rglob("*.py"))
+
+
+def name_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imports(path: Path) -> set[str]:
+    """Every module the file imports, function-local imports included."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def layer(module: str) -> int | None:
+    for i, prefix in enumerate(LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            return i
+    return None
+
+
+def test_imports_run_one_way_between_the_layers():
+    wrong = []
+    for path in modules("deployments"):
+        here = layer(name_of(path))
+        for target in imports(path):
+            there = layer(target)
+            if here is not None and there is not None and there < here:
+                wrong.append(f"{name_of(path)} imports {target}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_the_leaves_import_no_layer(leaf):
+    path = ROOT / (leaf.replace(".", "/") + ".py")
+    project = [m for m in imports(path) if m.split(".")[0] in {"deployments", "bench", "tests"}]
+    assert project == []
+    if leaf == "deployments.messages":  # nothing of the project but specdec
+        assert {m.split(".")[0] for m in imports(path)} & {"monitoring"} == set()
+
+
+def test_the_monitor_imports_only_specdec_and_itself():
+    wrong = [
+        f"{name_of(path)} imports {m}"
+        for path in modules("monitoring")
+        for m in imports(path)
+        if m.split(".")[0] in {"deployments", "bench", "tests"}
+    ]
+    assert wrong == []
+
+
+def test_no_function_is_longer_than_the_limit():
+    long = []
+    for package in ("deployments", "specdec"):
+        for path in modules(package):
+            if "demo" in path.relative_to(ROOT).parts:  # the demo recipe aside
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{name_of(path)}.{node.name}: {lines} lines")
+    assert long == []
+
+
+def test_the_checks_above_see_a_violation():
+    """The rules have power: an upward import and a long function are caught."""
+    assert layer("deployments.core.engine_core") > layer("deployments.openai.server")
+    source = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    (node,) = ast.parse(source).body
+    assert node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
