@@ -248,18 +248,46 @@ class SpeculativeDrafter:
         look = [sid for sid in look if self._last[sid].tokens]
         if not look or budget <= 0:
             return []
-        heads = []
-        for sid in look:
-            seq = self.seqs[sid]
-            heads.append(
-                SequenceState(
-                    sid,
-                    seq.prompt_token_ids,
-                    seq.params,
-                    output_token_ids=seq.output_token_ids + list(self._last[sid].tokens),
-                    device=self._device,
-                )
+        candidates = self._outcomes(look)
+        candidates.sort(key=lambda c: -c[0])
+        # Each branch takes a KV slot of the draft's runner: only slots that are free and
+        # not kept for sequences still to come (main_slots).
+        chosen = candidates[: max(0, min(budget, self.branch_slots()))]
+        states, parents, guesses, ks = self._fork_branches(chosen)
+        if not states:
+            return []
+        try:  # all or nothing: a failed pass keeps no branch
+            prop = self.proposer.propose(states, max(ks), self.top_m, should_stop=should_stop)
+        except Exception:
+            self._free_states(states)
+            raise
+        if prop is None:
+            self._free_states(states)
+            return None
+        branches = []
+        for row, (state, sid, guess) in enumerate(zip(states, parents, guesses, strict=True)):
+            drafts = _drafts_of(prop, row, ks[row], state.params)
+            drafts.speculative = True
+            br = Branch(sid, guess, state, drafts)
+            self._branches.setdefault(sid, []).append(br)
+            branches.append(br)
+        return branches
+
+    def _outcomes(self, look: list[Hashable]) -> list[tuple[float, Hashable, tuple[int, ...]]]:
+        """``(probability, sequence, guessed committed tokens)`` of every outcome worth
+        a branch for the sequences in ``look`` (each with drafts being verified): all
+        drafts accepted with each of the draft's likeliest bonus tokens, and a rejection at
+        each position with each of its likeliest other tokens recovered (module docstring)."""
+        heads = [
+            SequenceState(
+                sid,
+                self.seqs[sid].prompt_token_ids,
+                self.seqs[sid].params,
+                output_token_ids=self.seqs[sid].output_token_ids + list(self._last[sid].tokens),
+                device=self._device,
             )
+            for sid in look
+        ]
         bonus_ids, bonus_probs = self.proposer.extend(heads, self.top_m)  # [batch, m]
         candidates: list[tuple[float, Hashable, tuple[int, ...]]] = []
         for row, sid in enumerate(look):
@@ -273,21 +301,16 @@ class SpeculativeDrafter:
             for b, pb in zip(bonus_ids[row].tolist(), bonus_probs[row].tolist(), strict=True):
                 candidates.append((all_accept * pb, sid, (*last.tokens, b)))
             for j in range(n):
-                reject_here = reach[j] * (1 - alphas[j])
-                p_draft = 0.0
-                alts = []
-                for t, pt in zip(last.top_ids[j].tolist(), last.top_probs[j].tolist(), strict=True):
-                    if t == last.tokens[j]:
-                        p_draft = pt
-                    else:
-                        alts.append((t, pt))
-                for t, pt in alts:
-                    score = reject_here * pt / max(1e-6, 1 - p_draft)
-                    candidates.append((score, sid, (*last.tokens[:j], t)))
-        candidates.sort(key=lambda c: -c[0])
-        # Each branch takes a KV slot of the draft's runner: only slots that are free and
-        # not kept for sequences still to come (main_slots).
-        chosen = candidates[: max(0, min(budget, self.branch_slots()))]
+                candidates.extend(_rejections_at(last, j, sid, reach[j] * (1 - alphas[j])))
+        return candidates
+
+    def _fork_branches(
+        self, chosen: list[tuple[float, Hashable, tuple[int, ...]]]
+    ) -> tuple[list[SequenceState], list[Hashable], list[tuple[int, ...]], list[int]]:
+        """Fork the draft's cache of each chosen outcome's sequence into a branch whose
+        committed tokens end with the guess; returns the branches' states, their parent
+        sequences, guesses and draft lengths (an outcome with no room left to draft in
+        max_model_len is skipped). On failure no fork is kept."""
         states, parents, guesses, ks = [], [], [], []
         for g, (_score, sid, guess) in enumerate(chosen):
             seq = self.seqs[sid]
@@ -313,24 +336,7 @@ class SpeculativeDrafter:
             parents.append(sid)
             guesses.append(guess)
             ks.append(k)
-        if not states:
-            return []
-        try:  # all or nothing: a failed pass keeps no branch
-            prop = self.proposer.propose(states, max(ks), self.top_m, should_stop=should_stop)
-        except Exception:
-            self._free_states(states)
-            raise
-        if prop is None:
-            self._free_states(states)
-            return None
-        branches = []
-        for row, (state, sid, guess) in enumerate(zip(states, parents, guesses, strict=True)):
-            drafts = _drafts_of(prop, row, ks[row], state.params)
-            drafts.speculative = True
-            br = Branch(sid, guess, state, drafts)
-            self._branches.setdefault(sid, []).append(br)
-            branches.append(br)
-        return branches
+        return states, parents, guesses, ks
 
     def _free_states(self, states: list[SequenceState]) -> None:
         for st in states:
@@ -345,3 +351,22 @@ def _drafts_of(prop, row: int, n: int, params: SamplingParams) -> Drafts:
         prop.top_token_ids[row, :n],
         prop.top_probs[row, :n],
     )
+
+
+def _rejections_at(
+    last: Drafts, j: int, sid: Hashable, reject_here: float
+) -> list[tuple[float, Hashable, tuple[int, ...]]]:
+    """The outcomes "rejected at draft position ``j``, token ``t`` recovered" for each of
+    the draft's likeliest tokens ``t`` there other than the draft itself, scored
+    ``reject_here * pi_j(t) / (1 - pi_j(d_j))`` (``reject_here``: the probability that
+    verification reaches ``j`` and rejects there)."""
+    p_draft = 0.0
+    alts = []
+    for t, pt in zip(last.top_ids[j].tolist(), last.top_probs[j].tolist(), strict=True):
+        if t == last.tokens[j]:
+            p_draft = pt
+        else:
+            alts.append((t, pt))
+    return [
+        (reject_here * pt / max(1e-6, 1 - p_draft), sid, (*last.tokens[:j], t)) for t, pt in alts
+    ]
