@@ -18,7 +18,7 @@ from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import dequantize_q, quantize_q
 from specdec.rejection import ProposalKind
 from specdec.runner import ModelRunner
-from specdec.sampling import probs_for, sample
+from specdec.sampling import SamplingParams, probs_for, sample
 from specdec.sequence import SequenceState
 
 
@@ -164,78 +164,114 @@ class DraftModelProposer(Proposer):
         Greedy rows take the argmax and carry no ``q`` (argmax matching needs none):
         ``draft_probs`` holds the sampled rows only (``probs_rows``; :meth:`Proposal.q`).
         """
-        batch = len(seqs)
-        ids = [s.seq_id for s in seqs]
-        params = [s.params for s in seqs]
-        start = [len(s.token_ids) for s in seqs]  # absolute index of each row's first draft
-        dev = self.runner.device  # every tensor of the proposal lives with the draft model
-        draft = torch.zeros(batch, k, dtype=torch.long, device=dev)
-        counts = torch.full((batch,), k, dtype=torch.long, device=dev)
-        probs_rows = tuple(r for r in range(batch) if not params[r].is_greedy)
-        probs_row = {r: i for i, r in enumerate(probs_rows)}
-        # q as the float16 weights the draft samples from (specdec.qcodec): half the bytes,
-        # and what travels to the verifier as it is; rows of sampled sequences only.
-        probs = (
-            torch.zeros(len(probs_rows), k, self.vocab_limit, dtype=torch.float16, device=dev)
-            if probs_rows
-            else None
-        )
-        top_ids = torch.zeros(batch, k, top_m, dtype=torch.long, device=dev) if top_m else None
-        top_p = torch.zeros(batch, k, top_m, device=dev) if top_m else None
-        feed = [self._sync(s) for s in seqs]
-        active = list(range(batch))  # rows still drafting
-        # Rows with history-dependent processing: their drafts so far.
-        history: dict[int, list[int]] = {r: [] for r in active if needs_history(params[r])}
+        run = self._start(seqs, k, top_m)
         for i in range(k):
             if should_stop is not None and should_stop():
                 return None
-            rows = slice(None) if len(active) == batch else torch.tensor(active, device=dev)
-            logits = self._logits([ids[r] for r in active], [feed[r] for r in active])
-            # logits: [active, vocab_limit]
-            if history:  # penalties / min_tokens given the output and the drafts so far
-                logits = logits.float().clone()
-                for j, r in enumerate(active):
-                    if r in history:
-                        s = seqs[r]
-                        logits[j] = apply_history(
-                            logits[j : j + 1],
-                            params[r],
-                            s.prompt_token_ids,
-                            [*s.output_token_ids, *history[r]],
-                        )[0]
-            lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
-            if top_m:  # the likeliest token heads the top-m: no separate argmax
-                top_ids[rows, i], top_p[rows, i] = _top(logits, top_m, lse)  # [active, m]
-                tokens = top_ids[rows, i, 0].clone()  # [active]; replaced on sampled rows
-            else:
-                tokens = logits.argmax(dim=-1)
-            sampled = [j for j, r in enumerate(active) if not params[r].is_greedy]
-            if sampled:
-                at = torch.tensor(sampled, device=dev)
-                w = quantize_q(probs_for([params[active[j]] for j in sampled], logits[at]))
-                gens = [
-                    seqs[active[j]].draft_generator_at(start[active[j]] + i, logits.device)
-                    for j in sampled
-                ]
-                tokens[at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
-                probs[torch.tensor([probs_row[active[j]] for j in sampled], device=dev), i] = w
-            draft[rows, i] = tokens
-            for r in active:
-                self._cached[ids[r]].extend(feed[r])
-            for r, t in zip(active, tokens.tolist(), strict=True):
-                feed[r] = [t]
-                if r in history:
-                    history[r].append(t)
-            if self.min_confidence and i + 1 < k:
-                # The draft's raw probability of the token it proposed, row by row.
-                conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp().tolist()
-                for r, c in zip(active, conf, strict=True):
-                    if c < self.min_confidence:
-                        counts[r] = i + 1
-                active = [r for r, c in zip(active, conf, strict=True) if c >= self.min_confidence]
-                if not active:
-                    break
-        return Proposal(draft, counts, probs, self.kind, top_ids, top_p, probs_rows)
+            if not self._step(run, i):
+                break
+        return Proposal(
+            run.draft, run.counts, run.probs, self.kind, run.top_ids, run.top_p, run.probs_rows
+        )
+
+    def _start(self, seqs: Sequence[SequenceState], k: int, top_m: int) -> _Drafting:
+        """A proposal's buffers, on the draft model's device, and each row's first feed
+        (the cache resynchronised to its committed tokens)."""
+        batch = len(seqs)
+        params = [s.params for s in seqs]
+        dev = self.runner.device  # every tensor of the proposal lives with the draft model
+        probs_rows = tuple(r for r in range(batch) if not params[r].is_greedy)
+        return _Drafting(
+            seqs=seqs,
+            k=k,
+            top_m=top_m,
+            ids=[s.seq_id for s in seqs],
+            params=params,
+            start=[len(s.token_ids) for s in seqs],
+            draft=torch.zeros(batch, k, dtype=torch.long, device=dev),
+            counts=torch.full((batch,), k, dtype=torch.long, device=dev),
+            # q as the float16 weights the draft samples from (specdec.qcodec): half the
+            # bytes, and what travels to the verifier as it is; sampled sequences only.
+            probs=(
+                torch.zeros(len(probs_rows), k, self.vocab_limit, dtype=torch.float16, device=dev)
+                if probs_rows
+                else None
+            ),
+            probs_rows=probs_rows,
+            probs_row={r: i for i, r in enumerate(probs_rows)},
+            top_ids=torch.zeros(batch, k, top_m, dtype=torch.long, device=dev) if top_m else None,
+            top_p=torch.zeros(batch, k, top_m, device=dev) if top_m else None,
+            feed=[self._sync(s) for s in seqs],
+            active=list(range(batch)),
+            history={r: [] for r in range(batch) if needs_history(params[r])},
+        )
+
+    def _step(self, run: _Drafting, i: int) -> bool:
+        """Draft position ``i`` of every active row (one forward pass of the draft);
+        False when no row is left drafting."""
+        dev, active = self.runner.device, run.active
+        rows = slice(None) if len(active) == len(run.seqs) else torch.tensor(active, device=dev)
+        logits = self._logits([run.ids[r] for r in active], [run.feed[r] for r in active])
+        # logits: [active, vocab_limit]
+        if run.history:  # penalties / min_tokens given the output and the drafts so far
+            logits = _with_draft_history(logits, run)
+        top_m = run.top_m
+        lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
+        if top_m:  # the likeliest token heads the top-m: no separate argmax
+            run.top_ids[rows, i], run.top_p[rows, i] = _top(logits, top_m, lse)  # [active, m]
+            tokens = run.top_ids[rows, i, 0].clone()  # [active]; replaced on sampled rows
+        else:
+            tokens = logits.argmax(dim=-1)
+        self._sample_rows(run, i, logits, tokens)
+        run.draft[rows, i] = tokens
+        for r in active:
+            self._cached[run.ids[r]].extend(run.feed[r])
+        for r, t in zip(active, tokens.tolist(), strict=True):
+            run.feed[r] = [t]
+            if r in run.history:
+                run.history[r].append(t)
+        if self.min_confidence and i + 1 < run.k:
+            return self._confidence_stop(run, i, logits, lse, tokens)
+        return True
+
+    def _sample_rows(
+        self, run: _Drafting, i: int, logits: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
+        """Sample position ``i`` of the active rows that are not greedy from their q (the
+        sampling transform of ``logits``, ``[active, vocab_limit]``), each with its
+        request's draft generator at that position; write the tokens into ``tokens``
+        (``[active]``) and q, as float16 weights, into ``run.probs``."""
+        active = run.active
+        sampled = [j for j, r in enumerate(active) if not run.params[r].is_greedy]
+        if not sampled:
+            return
+        dev = self.runner.device
+        at = torch.tensor(sampled, device=dev)
+        w = quantize_q(probs_for([run.params[active[j]] for j in sampled], logits[at]))
+        gens = [
+            run.seqs[active[j]].draft_generator_at(run.start[active[j]] + i, logits.device)
+            for j in sampled
+        ]
+        tokens[at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
+        run.probs[torch.tensor([run.probs_row[active[j]] for j in sampled], device=dev), i] = w
+
+    def _confidence_stop(
+        self,
+        run: _Drafting,
+        i: int,
+        logits: torch.Tensor,
+        lse: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> bool:
+        """End the rows whose token at ``i`` the draft itself gave less than
+        ``min_confidence`` (that token is still proposed); False when none is left."""
+        # The draft's raw probability of the token it proposed, row by row.
+        conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp().tolist()
+        for r, c in zip(run.active, conf, strict=True):
+            if c < self.min_confidence:
+                run.counts[r] = i + 1
+        run.active = [r for r, c in zip(run.active, conf, strict=True) if c >= self.min_confidence]
+        return bool(run.active)
 
 
 def _top(
@@ -287,3 +323,43 @@ class NgramProposer(Proposer):
             draft[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=host)
             counts[row] = len(tokens)
         return Proposal(draft, counts, None, self.kind)
+
+
+@dataclass
+class _Drafting:
+    """One :meth:`DraftModelProposer.propose` call: its buffers and its rows' progress
+    (rows are the batch's; ``active`` lists those still drafting)."""
+
+    seqs: Sequence[SequenceState]
+    k: int  # drafts asked per row
+    top_m: int  # likeliest tokens recorded per position (0: none)
+    ids: list[Hashable]  # per row: its sequence id
+    params: list[SamplingParams]  # per row: its sampling params
+    start: list[int]  # per row: absolute index of its first draft
+    draft: torch.Tensor  # [batch, k] int64 drafts (0 past a row's end)
+    counts: torch.Tensor  # [batch] int64 drafts per row (k unless it stopped early)
+    probs: torch.Tensor | None  # [len(probs_rows), k, vocab_limit] float16 q weights
+    probs_rows: tuple[int, ...]  # the batch row of each probs row (the sampled rows)
+    probs_row: dict[int, int]  # batch row -> its probs row
+    top_ids: torch.Tensor | None  # [batch, k, top_m] int64
+    top_p: torch.Tensor | None  # [batch, k, top_m] float32 raw probabilities
+    feed: list[list[int]]  # per row: tokens the draft is fed next
+    active: list[int]  # rows still drafting
+    history: dict[int, list[int]]  # rows with history-dependent processing: drafts so far
+
+
+def _with_draft_history(logits: torch.Tensor, run: _Drafting) -> torch.Tensor:
+    """``logits`` (``[active, vocab_limit]``) with penalties and min_tokens applied on the
+    rows that have them, given each row's output and its drafts so far (a float32 copy;
+    the other rows unchanged)."""
+    logits = logits.float().clone()
+    for j, r in enumerate(run.active):
+        if r in run.history:
+            s = run.seqs[r]
+            logits[j] = apply_history(
+                logits[j : j + 1],
+                run.params[r],
+                s.prompt_token_ids,
+                [*s.output_token_ids, *run.history[r]],
+            )[0]
+    return logits
