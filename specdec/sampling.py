@@ -56,7 +56,19 @@ class SamplingParams:
     all_stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        # Accept a single string or any sequence for `stop`, as the OpenAI API does.
+        self._normalise_stops()
+        errors = [
+            *self._sampling_errors(),
+            *self._output_errors(),
+            *self._penalty_errors(),
+            *self._stop_errors(),
+        ]
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def _normalise_stops(self) -> None:
+        """Stops as tuples (hashable, as a frozen dataclass needs), ids as ints; a single
+        string or any sequence is accepted for ``stop``, as the OpenAI API does."""
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -65,6 +77,9 @@ class SamplingParams:
         object.__setattr__(
             self, "all_stop_token_ids", tuple(int(t) for t in self.all_stop_token_ids)
         )
+
+    def _sampling_errors(self) -> list[str]:
+        """What is wrong with the transform's settings and the seed (all of it, at once)."""
         errors = []
         if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
             errors.append(f"temperature must be a finite number, got {self.temperature!r}")
@@ -72,39 +87,38 @@ class SamplingParams:
             errors.append(f"temperature must be >= 0, got {self.temperature}")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+        if not _is_int(self.top_k):
             errors.append(f"top_k must be an integer (-1 or 0 disables it), got {self.top_k!r}")
         elif self.top_k < -1:
             errors.append(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int)
-            or isinstance(self.seed, bool)
-            or not 0 <= self.seed < 2**63
-        ):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             errors.append(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
-        if (
-            not isinstance(self.max_tokens, int)
-            or isinstance(self.max_tokens, bool)
-            or self.max_tokens < 1
-        ):
+        return errors
+
+    def _output_errors(self) -> list[str]:
+        """What is wrong with the output's length and the logprobs asked for."""
+        errors = []
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             errors.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int)
-            or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             errors.append(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int)
-            or isinstance(self.prompt_logprobs, bool)
-            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             errors.append(
                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
                 f"got {self.prompt_logprobs!r}"
             )
+        return errors
+
+    def _penalty_errors(self) -> list[str]:
+        """What is wrong with the history-dependent penalties (finite, within the ranges
+        where dividing or subtracting logits cannot overflow)."""
+        errors = []
         rp = self.repetition_penalty
         if not isinstance(rp, int | float) or not (
             math.isfinite(rp) and MIN_REPETITION_PENALTY <= rp <= 2
@@ -116,11 +130,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, int | float) or not (math.isfinite(v) and -2 <= v <= 2):
                 errors.append(f"{name} must be in [-2, 2], got {v!r}")
-        if (
-            not isinstance(self.min_tokens, int)
-            or isinstance(self.min_tokens, bool)
-            or not self.min_tokens >= 0
-        ):
+        return errors
+
+    def _stop_errors(self) -> list[str]:
+        """What is wrong with min_tokens and the stop strings."""
+        errors = []
+        if not _is_int(self.min_tokens) or not self.min_tokens >= 0:
             errors.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
             errors.append(
@@ -128,8 +143,7 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             errors.append("stop must be a non-empty string or a list of non-empty strings")
-        if errors:
-            raise ValueError("; ".join(errors))
+        return errors
 
     def with_stops(self, eos_token_ids: Collection[int] | int | None) -> SamplingParams:
         """These params with :attr:`all_stop_token_ids` filled from the model's EOS ids."""
@@ -153,6 +167,11 @@ class SamplingParams:
         gen = torch.Generator(device=device)
         gen.manual_seed((self.seed * 1_000_003 + offset) % (2**63 - 1))
         return gen
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (True is an int to Python, not to an API client)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_column(values: Sequence[float] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
