@@ -24,6 +24,7 @@ class RoundTimings:
     total_s: float = 0.0
     draft_wait_s: float = 0.0
     verify_s: float = 0.0
+    overhead_s: float = 0.0  # the sum of each round's RoundStats.overhead_s
     rows: int = 0  # sequence-rounds
     drafted_rows: int = 0  # sequence-rounds that carried drafts
     hits: int = 0  # ... whose drafts were prepared ahead (speculation-cache hits)
@@ -40,14 +41,10 @@ class RoundTimings:
         self.draft_wait_s += stats.draft_wait_s
         self.verify_s += stats.verify_s
         self.total_s += stats.total_s
-
-    @property
-    def overhead_s(self) -> float:
-        """Summed over rounds, as :attr:`specdec.stats.RoundStats.overhead_s` per round."""
-        return self.total_s - self.draft_wait_s - self.verify_s
+        self.overhead_s += stats.overhead_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "overhead_s": self.overhead_s}
+        return asdict(self)
 
 
 class Telemetry:
