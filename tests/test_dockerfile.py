@@ -1,5 +1,5 @@
 """The Dockerfile builds the image the KubeRay manifest runs (no Docker daemon here: the
-file is checked as text against the manifest, pyproject.toml and the README)."""
+file is checked as text against the manifest, pyproject.toml and docs/deployment.md)."""
 
 import fnmatch
 import re
@@ -86,7 +86,7 @@ def test_project_models_and_cluster_configs_are_in_the_image():
 
 def test_manifest_names_the_image_the_documented_build_tags():
     (image,) = manifest_images()
-    for text in (DOCKERFILE, (ROOT / "README.md").read_text()):
+    for text in (DOCKERFILE, (ROOT / "docs" / "deployment.md").read_text()):
         tagged = {cmd[cmd.index("-t") + 1]: cmd for cmd in build_commands(text) if "-t" in cmd}
         assert image in tagged, (image, tagged)
         # The manifest's pods have GPUs: its image is built with a CUDA torch.
