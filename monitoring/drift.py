@@ -10,7 +10,8 @@ batched round outcomes and turns its events into alerts).
 geometric run of per-token Bernoulli(α) outcomes: ``a`` ones, then one zero if ``a < d``
 (no rejection is observed when ``a == d``). Its likelihood ``α^a (1 - α)^[a < d]``
 depends on the data only through the accepted tokens ``A`` and the rejections ``R``, the
-same sufficient statistics as ``α̂ = A / (A + R)`` (DESIGN.md, never the raw ratio).
+same sufficient statistics as ``α̂ = A / (A + R)`` (docs/architecture.md, "Formulas";
+never the raw ratio).
 
 **Test** (Page's CUSUM, https://doi.org/10.1093/biomet/41.1-2.100). In control
 ``α = α_0``, learned over a warm-up; out of control ``α = α_1 = max(break-even, α_0 - δ)``:
@@ -57,6 +58,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.speedup import break_even_alpha
+from specdec.stats import alpha_hat
 
 _ALPHA_MIN, _ALPHA_MAX = 1e-3, 1.0 - 1e-3  # keep the log-likelihood ratios finite
 _break_even = lru_cache(maxsize=4096)(break_even_alpha)  # (k, cost, verify) repeat a lot
@@ -310,7 +312,8 @@ class DriftMonitor:
             done = warming & (self._warm.sum(1) >= self.config.warmup_tokens)
             for slot in np.flatnonzero(done):
                 acc, rej = self._warm[slot]
-                self._alpha0[slot] = min(max(acc / (acc + rej), 2 * _ALPHA_MIN), _ALPHA_MAX)
+                alpha0 = alpha_hat(acc, rej)  # never None: warmup_tokens >= 1 were seen
+                self._alpha0[slot] = min(max(alpha0, 2 * _ALPHA_MIN), _ALPHA_MAX)
                 self._state[slot] = _IN_CONTROL
                 self._refresh(slot)
 
@@ -442,7 +445,7 @@ class DriftMonitor:
             statistic=float(self._s_rev[slot] if firing else self._s[slot]),
             threshold=self._h_rev if firing else self._h,
             rounds=int(run[0]),
-            current=_alpha_hat(run[1], run[2]),
+            current=alpha_hat(float(run[1]), float(run[2])),
             warmup_seen=int(self._warm[slot].sum()),
         )
 
@@ -451,16 +454,10 @@ class DriftMonitor:
             kind=kind,
             domain=self._names[slot],
             baseline=float(self._alpha0[slot]),
-            current=_alpha_hat(run[1], run[2]) or 0.0,
+            current=alpha_hat(float(run[1]), float(run[2])) or 0.0,
             rounds=int(run[0]),
             break_even=float(self._break_even[slot]),
             k=int(self._k[slot]),
             alternative=float(self._alpha1[slot]),
             below_break_even=bool(self._below[slot]),
         )
-
-
-def _alpha_hat(accepted: float, rejections: float) -> float | None:
-    """α̂ = A / (A + R), the censored-geometric MLE (None without evidence)."""
-    total = accepted + rejections
-    return float(accepted / total) if total > 0 else None

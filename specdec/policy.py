@@ -24,6 +24,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from specdec.speedup import expected_tokens_per_round
+from specdec.stats import alpha_hat
 
 
 def batch_bucket(num_seqs: int) -> int:
@@ -179,8 +180,8 @@ class _Domain:
     def tokens(self) -> float:
         return self.accepted + self.rejections
 
-    def alpha(self) -> float:
-        return self.accepted / self.tokens
+    def alpha(self) -> float | None:
+        return alpha_hat(self.accepted, self.rejections)
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Speculative decoding is exact only if the target distribution ``p`` and the draft
 distribution ``q`` go through the *same* transform (temperature, top-k, top-p) before
-the rejection sampler compares them (DESIGN.md, "Formulas"). Everything that samples in
-SpecServe calls :func:`logits_to_probs` so the two sides cannot drift apart.
+the rejection sampler compares them (docs/architecture.md, "Formulas"). Everything that
+samples in SpecServe calls :func:`logits_to_probs` so the two sides cannot drift apart.
 """
 
 from __future__ import annotations

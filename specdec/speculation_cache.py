@@ -35,6 +35,7 @@ import torch
 from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
+from specdec.stats import alpha_hat
 
 
 @dataclass
@@ -106,8 +107,10 @@ class SpeculativeDrafter:
 
     @property
     def acceptance(self) -> float:
-        """alpha_hat over recent rounds (DESIGN.md: A / (A + rounds with a rejection))."""
-        return self._accepted / (self._accepted + self._rejections)
+        """alpha_hat over recent rounds (docs/architecture.md, Formulas: A / (A + rounds
+        with a rejection)); the priors keep both counts above 0, so it always has one."""
+        alpha = alpha_hat(self._accepted, self._rejections)
+        return 0.0 if alpha is None else alpha
 
     # ----- sequences ----------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The speedup / goodput model of speculative decoding (DESIGN.md, "Formulas").
+"""The speedup / goodput model of speculative decoding (docs/architecture.md, "Formulas").
 
 With per-token acceptance probability ``α`` (assumed i.i.d. over positions, as in
 Leviathan et al. 2023, https://arxiv.org/abs/2211.17192) and ``k`` draft tokens, a round
@@ -15,6 +15,8 @@ about ``T_v(k + 1) + (1 - h) · k · T_d``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+
+from specdec.stats import alpha_hat
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:
@@ -70,9 +72,8 @@ def estimate_alpha(accepted_per_round: Iterable[int], drafted_per_round: Iterabl
             continue
         total += a
         rejections += int(a < d)
-    if total + rejections == 0:
-        return 0.0
-    return total / (total + rejections)
+    alpha = alpha_hat(total, rejections)
+    return 0.0 if alpha is None else alpha
 
 
 def best_k(
