@@ -48,28 +48,37 @@ class _Bucket:
     counted: int = 0  # rounds in those sums
 
 
-@dataclass
+@dataclass(frozen=True)
+class WidthPolicyConfig:
+    """The settings of :class:`SpeculationWidth`."""
+
+    max_width: int  # branches per sequence at most (0: never speculate while verifying)
+    adaptive: bool = True  # False: always max_width branches, nothing measured
+    min_hit_rate: float = 0.15  # below this (moving average), speculation pauses
+    probe_every: int = 32  # while paused, speculate once every this many rounds
+    slack: float = 0.6  # grow only if speculation took under this share of verification
+    decay: float = 0.9  # per observed round, of the hit rate's moving average
+    compare_every: int = 256  # rounds between re-measurements of the choice not taken
+    compare_rounds: int = 6  # rounds one measurement lasts (the first is not counted)
+    goodput_decay: float = 0.97  # per round, for the choice that keeps running
+
+
 class SpeculationWidth:
     """Branches per sequence to prepare next round (additive increase, cut on overrun),
     or none where measured goodput says speculating during verification does not pay."""
 
-    max_width: int
-    adaptive: bool = True
-    min_hit_rate: float = 0.15  # below this (moving average), speculation pauses
-    probe_every: int = 32  # while paused, speculate once every this many rounds
-    slack: float = 0.6  # grow only if speculation took under this share of verification
-    decay: float = 0.9
-    compare_every: int = 256  # rounds between re-measurements of the choice not taken
-    compare_rounds: int = 6  # rounds one measurement lasts (the first is not counted)
-    goodput_decay: float = 0.97  # per round, for the choice that keeps running
-    width: int = 0
-    hit_rate: float = 0.5
-    _paused_rounds: int = 0
-    _buckets: dict[int, _Bucket] = field(default_factory=dict)
-    _last: _Bucket | None = None  # the bucket of the round now running
-
-    def __post_init__(self) -> None:
-        self.width = self.max_width
+    def __init__(self, config: WidthPolicyConfig):
+        self.config = config
+        self.max_width, self.adaptive = config.max_width, config.adaptive
+        self.min_hit_rate, self.probe_every = config.min_hit_rate, config.probe_every
+        self.slack, self.decay = config.slack, config.decay
+        self.compare_every, self.compare_rounds = config.compare_every, config.compare_rounds
+        self.goodput_decay = config.goodput_decay
+        self.width = config.max_width  # branches per sequence now
+        self.hit_rate = 0.5  # moving average of the share of drafted rows served by a branch
+        self._paused_rounds = 0
+        self._buckets: dict[int, _Bucket] = {}
+        self._last: _Bucket | None = None  # the bucket of the round now running
 
     def budget(self, num_seqs: int, new_round: bool = True) -> int:
         """Branches to prepare this round across ``num_seqs`` sequences (0: none).
@@ -216,6 +225,36 @@ class _Costs:
     fresh: set[int] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class LengthPolicyConfig:
+    """The settings of :class:`SpeculationLength` (rounds: engine rounds; k: drafts per
+    row per round)."""
+
+    max_k: int  # the longest draft length chosen [tokens]
+    default_k: int | None = None  # k until measurements decide (None: max_k) [tokens]
+    decay: float = 0.98  # per observed round, of a domain's counts A and R
+    min_tokens: float = 24.0  # A + R a domain needs before its α̂ is used
+    cost_decay: float = 0.8  # weight of the old value in the per-k decayed measurements
+    explore_rounds: int = 3  # rounds measured at each anchor k before the costs are used
+    remeasure_every: int = 256  # rounds of a bucket between re-measurements of the anchors
+    probe_every: int = 128  # rounds between re-probes of a domain at k = 0
+    probe_rounds: int = 4  # rounds one re-probe lasts
+    probe_k: int = 1  # the k a re-probe runs at (kept within [1, max(1, max_k)]) [tokens]
+    min_gain: float = 0.1  # predicted goodput gain over k = 0 a k > 0 must show (0.1: 10 %)
+    max_remeasure_every: int = 2048  # the most remeasure_every backs off to while k = 0 wins
+
+    def __post_init__(self) -> None:
+        default_k = self.max_k if self.default_k is None else self.default_k
+        if (
+            not 0 <= default_k <= self.max_k
+            or self.probe_every < self.probe_rounds
+            or self.explore_rounds < 1
+        ):
+            raise ValueError(
+                "need 0 <= default_k <= max_k, probe_every >= probe_rounds, explore_rounds >= 1"
+            )
+
+
 class SpeculationLength:
     """The draft length k per domain and batch size, chosen for goodput (pure).
 
@@ -247,39 +286,19 @@ class SpeculationLength:
     while a losing one costs at most ``probe_rounds / probe_every`` of its rounds. A drift
     alert (:meth:`on_drift`) replaces the domain's history with the detector's recent
     estimate, so the next choice already reflects it. A request that sets its own k is
-    not asked about.
+    not asked about. Its settings: :class:`LengthPolicyConfig`.
     """
 
-    def __init__(
-        self,
-        max_k: int,
-        default_k: int | None = None,
-        *,
-        decay: float = 0.98,
-        min_tokens: float = 24.0,
-        cost_decay: float = 0.8,
-        explore_rounds: int = 3,
-        remeasure_every: int = 256,
-        probe_every: int = 128,
-        probe_rounds: int = 4,
-        probe_k: int = 1,
-        min_gain: float = 0.1,
-        max_remeasure_every: int = 2048,
-    ):
-        default_k = max_k if default_k is None else default_k
-        if not 0 <= default_k <= max_k or probe_every < probe_rounds or explore_rounds < 1:
-            raise ValueError(
-                "need 0 <= default_k <= max_k, probe_every >= probe_rounds, explore_rounds >= 1"
-            )
-        self.max_k, self.default_k = max_k, default_k
-        self.decay, self.min_tokens, self.cost_decay = decay, min_tokens, cost_decay
-        self.explore_rounds, self.remeasure_every = explore_rounds, remeasure_every
-        self.probe_every, self.probe_rounds = probe_every, probe_rounds
-        self.probe_k = min(max(1, probe_k), max(1, max_k))
-        self.min_gain, self.max_remeasure_every = (
-            min_gain,
-            max(remeasure_every, max_remeasure_every),
-        )
+    def __init__(self, config: LengthPolicyConfig):
+        self.config = config
+        c, max_k = config, config.max_k
+        self.max_k, self.default_k = max_k, max_k if c.default_k is None else c.default_k
+        self.decay, self.min_tokens, self.cost_decay = c.decay, c.min_tokens, c.cost_decay
+        self.explore_rounds, self.remeasure_every = c.explore_rounds, c.remeasure_every
+        self.probe_every, self.probe_rounds = c.probe_every, c.probe_rounds
+        self.probe_k = min(max(1, c.probe_k), max(1, max_k))
+        self.min_gain = c.min_gain
+        self.max_remeasure_every = max(c.remeasure_every, c.max_remeasure_every)
         # The lengths every bucket measures: the two ends and one draft token.
         self.anchors = sorted({0, min(1, max_k), max_k})
         self._domains: dict[str, _Domain] = {}

@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from specdec.policy import SpeculationLength, SpeculationWidth, batch_bucket
+from specdec.policy import (
+    LengthPolicyConfig,
+    SpeculationLength,
+    SpeculationWidth,
+    WidthPolicyConfig,
+    batch_bucket,
+)
 from specdec.speedup import best_k, expected_tokens_per_round
 
 
@@ -24,14 +30,14 @@ def test_batch_buckets():
 
 
 def test_keeps_speculating_where_it_pays():
-    policy = SpeculationWidth(4)
+    policy = SpeculationWidth(WidthPolicyConfig(4))
     choices = run_rounds(policy, 1, 400, rate_on=150.0, rate_off=100.0)
     assert sum(choices[50:]) / len(choices[50:]) > 0.9  # only the re-measurements are off
     assert policy.goodput()[1]["on"] > policy.goodput()[1]["off"]
 
 
 def test_stops_speculating_where_it_costs_and_per_batch_size():
-    policy = SpeculationWidth(4)
+    policy = SpeculationWidth(WidthPolicyConfig(4))
     small = run_rounds(policy, 1, 300, rate_on=150.0, rate_off=100.0)
     large = run_rounds(policy, 16, 300, rate_on=300.0, rate_off=400.0)
     assert sum(large[50:]) / len(large[50:]) < 0.1
@@ -42,20 +48,20 @@ def test_stops_speculating_where_it_costs_and_per_batch_size():
 
 def test_recovers_when_conditions_change():
     """A choice that became the worse one is dropped after the next re-measurement."""
-    policy = SpeculationWidth(4, compare_every=100)
+    policy = SpeculationWidth(WidthPolicyConfig(4, compare_every=100))
     run_rounds(policy, 1, 200, rate_on=150.0, rate_off=100.0)
     later = run_rounds(policy, 1, 400, rate_on=80.0, rate_off=100.0)
     assert sum(later[-150:]) / 150 < 0.1
 
 
 def test_not_adaptive_always_speculates_at_full_width():
-    policy = SpeculationWidth(3, adaptive=False)
+    policy = SpeculationWidth(WidthPolicyConfig(3, adaptive=False))
     assert all(run_rounds(policy, 2, 50, rate_on=1.0, rate_off=100.0))
     assert policy.budget(2) == 6
 
 
 def test_width_follows_overruns():
-    policy = SpeculationWidth(4)
+    policy = SpeculationWidth(WidthPolicyConfig(4))
     policy.observe_speculation(0.010, 0.012, cut=True)
     assert policy.width == 3
     policy.observe_speculation(0.002, 0.012, cut=False)
@@ -83,7 +89,7 @@ def memory_bound(b, k):  # verification barely grows with k; each draft step cos
 
 
 def test_length_follows_acceptance_and_turns_off_when_nothing_pays():
-    policy = SpeculationLength(max_k=8, default_k=4)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=8, default_k=4))
     assert policy.predicted_k("code", 1) == 4  # nothing measured yet: the default
     _costs(policy, 1, memory_bound)
     assert policy.predicted_k("code", 1) == 4  # no acceptance measured yet
@@ -100,7 +106,7 @@ def test_length_follows_acceptance_and_turns_off_when_nothing_pays():
 def test_length_falls_with_batch_size_at_constant_acceptance():
     """Verification turns compute-bound as the batch grows: the same acceptance that pays
     at batch 1 stops paying at batch 32 (the flip measured over HTTP: 1.51x at 1, 0.87x at 16)."""
-    policy = SpeculationLength(max_k=8, default_k=4)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=8, default_k=4))
 
     def cost(b, k):  # fixed cost + work proportional to the tokens in the pass + drafting
         return 1.0 + 0.1 * b * (k + 1) + 0.08 * (1 + 0.1 * b) * k
@@ -113,7 +119,7 @@ def test_length_falls_with_batch_size_at_constant_acceptance():
 
 
 def test_unmeasured_lengths_are_interpolated_from_measured_ones():
-    policy = SpeculationLength(max_k=8, default_k=4)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=8, default_k=4))
     for k, t in ((0, 1.0), (1, 1.2), (8, 2.6)):
         for _ in range(3):
             policy.observe_round_time(1, k, t)
@@ -124,7 +130,7 @@ def test_unmeasured_lengths_are_interpolated_from_measured_ones():
 def test_state_reports_measured_round_time_ratios_of_the_domains_batch_size():
     """What the drift detector's break-even is computed from: T(b, k) / T(b, 0) at the
     batch size the domain last ran at (interpolated ks included)."""
-    policy = SpeculationLength(max_k=4, default_k=4)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4))
     assert policy.round_time_ratios(1) == {}  # nothing measured
     for k, t in ((0, 1.0), (1, 1.2), (4, 2.0)):
         policy.observe_round_time(1, k, t)
@@ -140,7 +146,9 @@ def test_state_reports_measured_round_time_ratios_of_the_domains_batch_size():
 
 
 def test_each_bucket_measures_its_anchor_lengths_then_remeasures_them():
-    policy = SpeculationLength(max_k=6, default_k=3, explore_rounds=2, remeasure_every=50)
+    policy = SpeculationLength(
+        LengthPolicyConfig(max_k=6, default_k=3, explore_rounds=2, remeasure_every=50)
+    )
     plans = []
     for _ in range(200):
         k = policy.plan_round(4)
@@ -157,7 +165,9 @@ def test_no_remeasurement_while_no_domain_of_the_round_could_ever_pay():
     """After a drift alert said α = 0 for every domain of the round, re-measuring costs
     would draft those rows for nothing: it waits; a round with a domain that may pay
     (or whose α̂ is unknown) re-measures as before."""
-    policy = SpeculationLength(max_k=6, default_k=3, explore_rounds=2, remeasure_every=20)
+    policy = SpeculationLength(
+        LengthPolicyConfig(max_k=6, default_k=3, explore_rounds=2, remeasure_every=20)
+    )
     for _ in range(6):  # the first exploration happens whatever the domains say
         k = policy.plan_round(4, {"dead"})
         policy.observe_round_time(4, k, 1.0)
@@ -205,12 +215,16 @@ def test_policy_goodput_is_close_to_the_better_of_always_on_and_always_off(batch
 
     on = simulate(None, batch_size, 0.8, cost, 1500)
     off = batch_size / cost(batch_size, 0)
-    got = simulate(SpeculationLength(max_k=6, default_k=4), batch_size, 0.8, cost, 1500)
+    got = simulate(
+        SpeculationLength(LengthPolicyConfig(max_k=6, default_k=4)), batch_size, 0.8, cost, 1500
+    )
     assert got >= 0.97 * max(on, off), (got, on, off)
 
 
 def test_disabled_domain_is_reprobed_at_a_bounded_rate_and_recovers():
-    policy = SpeculationLength(max_k=6, default_k=3, probe_every=100, probe_rounds=5)
+    policy = SpeculationLength(
+        LengthPolicyConfig(max_k=6, default_k=3, probe_every=100, probe_rounds=5)
+    )
     _costs(policy, 1, lambda b, k: 1.0 + 0.05 * (k + 1) + 0.15 * k)
     _feed(policy, "d", 0.05, 500)
     choices = []
@@ -234,7 +248,7 @@ def test_disabled_domain_is_reprobed_at_a_bounded_rate_and_recovers():
 
 
 def test_a_drift_alert_changes_the_choice_at_once():
-    policy = SpeculationLength(max_k=8, default_k=4)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=8, default_k=4))
     _costs(policy, 1, lambda b, k: 1.0 + 0.02 * (k + 1) + 0.2 * k)
     _feed(policy, "d", 0.9, 2000)
     before = policy.choose("d", 1)
@@ -247,7 +261,7 @@ def test_a_drift_alert_changes_the_choice_at_once():
 def test_a_wrong_goodput_model_would_be_caught():
     """Power check: a policy that ignored the measured costs (picking k from acceptance
     alone) would keep k at batch 32; the goodput policy does not."""
-    policy = SpeculationLength(max_k=8, default_k=4)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=8, default_k=4))
     _costs(policy, 32, lambda b, k: 1.0 + 0.05 * b * (k + 1) + 0.4 * k)
     _feed(policy, "code", 0.75, 600)
     acceptance_only = best_k(0.75, 0.0, lambda n: 1.0, 8)[0]
@@ -257,7 +271,9 @@ def test_a_wrong_goodput_model_would_be_caught():
 def test_forced_measurements_stay_bounded_when_other_rows_set_the_round_length():
     """Rows outside the policy (seeded requests, requests with their own k) can make every
     round longer than the k a measurement asked for: the policy must not keep forcing."""
-    policy = SpeculationLength(max_k=4, default_k=4, explore_rounds=3, remeasure_every=256)
+    policy = SpeculationLength(
+        LengthPolicyConfig(max_k=4, default_k=4, explore_rounds=3, remeasure_every=256)
+    )
     forced = 0
     for _ in range(1000):
         k = policy.plan_round(4)
@@ -272,7 +288,7 @@ def test_a_confidence_stop_counts_the_drafts_made_not_the_k_asked(report_drafts)
     2-draft round and commits what 2 drafts commit. At batch 16 that loses (E(0.8, 2) =
     2.44 tokens for 2.8x the time of a plain round); counted as 12 drafts (E = 4.66) it
     would look like a win: the wrong twin (drafts not reported) speculates, the policy not."""
-    policy = SpeculationLength(max_k=12, default_k=12)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=12, default_k=12))
 
     def cost(b, drafts):
         return 0.2 + 0.05 * b * (drafts + 1) + 0.1 * drafts
@@ -291,7 +307,7 @@ def test_a_confidence_stop_counts_the_drafts_made_not_the_k_asked(report_drafts)
 
 
 def test_drafts_per_row_interpolates_between_measured_lengths():
-    policy = SpeculationLength(max_k=12, default_k=12)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=12, default_k=12))
     assert policy.drafts_per_row(1, 5) == 5.0  # nothing measured: k
     policy.observe_round_time(1, 1, 1.0, [("d", 1, 0)])
     policy.observe_round_time(1, 12, 2.0, [("d", 3, 0)] * 4 + [("d", 4, 0)])  # 3.2 a row
@@ -305,7 +321,7 @@ def test_speculation_near_break_even_is_not_chosen(min_gain):
     """Predicted 5 % faster is inside the estimates' noise (and the frontend's cores the
     draft takes are not in the round time): the policy stays at k = 0 unless speculation
     clearly pays. The twin without the margin speculates."""
-    policy = SpeculationLength(max_k=4, default_k=4, min_gain=min_gain)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4, min_gain=min_gain))
     alpha = 0.7
     for k in range(5):  # every k predicted at 1.05x the tokens/s of k = 0
         t = expected_tokens_per_round(alpha, k) / 1.05 if k else 1.0
@@ -325,7 +341,9 @@ def test_remeasurement_backs_off_while_no_k_pays(backoff):
     resumed for nothing): their spacing doubles while nothing pays, so they cost far fewer
     rounds over a long run than at a fixed interval (the twin)."""
     policy = SpeculationLength(
-        max_k=4, default_k=4, remeasure_every=256, max_remeasure_every=4096 if backoff else 256
+        LengthPolicyConfig(
+            max_k=4, default_k=4, remeasure_every=256, max_remeasure_every=4096 if backoff else 256
+        )
     )
     _feed(policy, "d", 0.5, 1000)
     forced = 0
@@ -348,7 +366,7 @@ def test_the_formula_is_scaled_by_what_rows_really_committed(report_rows):
     is 2 drafts and E(0.9, 2) = 2.71 tokens a row, but they commit 1.6 (E is concave, and
     here acceptance is worse than α̂ says). At a round time of 2x a plain round that loses;
     the twin that trusts the formula alone (no rows reported) speculates."""
-    policy = SpeculationLength(max_k=4, default_k=4, min_gain=0.0)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4, min_gain=0.0))
     _feed(policy, "d", 0.9, 2000)
     # 5 rows with 4 drafts (accepting 2, 1, 1, 1, 1) and 5 with none: 16 tokens for 10 rows
     rows = [("d", 4, a) for a in (2, 1, 1, 1, 1)] + [("d", 0, 0)] * 5
@@ -367,7 +385,7 @@ def test_a_remeasurement_replaces_a_cold_start_estimate():
     at 10x a plain round looks like a loss, and re-measurements that only nudged a decayed
     mean would need three rounds of them to undo it. The first re-measurement replaces the
     estimate, so speculation starts within one re-measurement interval."""
-    policy = SpeculationLength(max_k=4, default_k=4, remeasure_every=64)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4, remeasure_every=64))
     _feed(policy, "d", 0.9, 2000)
     first_speculation = None
     for r in range(400):
