@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
+from specdec.policy import LengthPolicyConfig
 from specdec.qcodec import CompactQ
 from specdec.stats import RowOutcome, SpecCounts
 
@@ -220,8 +221,7 @@ class EngineCoreConfig(_Message):
     draft_timeout_s: float  # longest wait for a round's drafts [s]
     draft_max_model_len: int | None = None  # the draft's context (None: the target's)
     transport: str = "actor"  # "actor" or "compiled_graph" messages to a draft actor
-    # specdec.policy.LengthPolicyConfig fields; None: every request runs at its fixed k
-    length_policy: dict[str, Any] | None = None
+    length_policy: LengthPolicyConfig | None = None  # None: every request at its fixed k
     telemetry: bool = False  # keep round records for drain_telemetry (a monitor runs)
     colocated_draft: ColocatedDraftConfig | None = None  # None: a draft actor connects
 

@@ -94,7 +94,7 @@ class EngineCore:
             self.draft_runner.max_model_len if self.draft_runner else config.draft_max_model_len
         )
         # k per domain and batch size for requests that do not set their own (None: fixed).
-        policy = SpeculationLength(**config.length_policy) if config.length_policy else None
+        policy = SpeculationLength(config.length_policy) if config.length_policy else None
         self.scheduler = Scheduler(
             config.max_num_seqs,
             self.runner.max_model_len,

@@ -21,6 +21,7 @@ from deployments.core.engine_core import EngineCore
 from deployments.messages import ColocatedDraftConfig, DraftWorkerConfig, EngineCoreConfig
 from deployments.placement import placement_for
 from deployments.workers.draft_worker import DraftWorker
+from specdec.policy import LengthPolicyConfig
 
 logger = logging.getLogger("specserve.engine")
 
@@ -110,12 +111,12 @@ class WorkerLauncher:
             tokenizer_size=len(self.tokenizer) if self.tokenizer is not None else None,
         )
 
-    def _length_policy(self) -> dict[str, Any] | None:
+    def _length_policy(self) -> LengthPolicyConfig | None:
         spec = self.config.speculation
         if spec.policy != "goodput" or self.config.draft is None:
             return None
         k = spec.num_speculative_tokens
-        return {"max_k": k, "default_k": k, "probe_every": spec.policy_probe_every}
+        return LengthPolicyConfig(max_k=k, default_k=k, probe_every=spec.policy_probe_every)
 
     async def load(self, workers: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Each worker's ``ready`` info, all awaited at once; the first failure ends the

@@ -19,7 +19,7 @@ from deployments.config import ModelSpec
 from deployments.messages import DraftPush, DraftRoundMessage, DraftWorkerConfig, PushedDraft
 from deployments.workers.drafting import DraftRounds, pushed_draft
 from deployments.workers.model_loader import configure_thread, load_runner, worker_info
-from specdec.policy import SpeculationWidth
+from specdec.policy import SpeculationWidth, WidthPolicyConfig
 from specdec.proposers import DraftModelProposer
 from specdec.speculation_cache import SpeculativeDrafter
 
@@ -50,7 +50,9 @@ class DraftWorker:
         )
         self.rounds = DraftRounds(self.drafter)  # messages applied as a colocated draft does
         self.overlap = config.overlap and width > 0
-        self.width = SpeculationWidth(width, adaptive=config.adaptive_overlap)
+        self.width = SpeculationWidth(
+            WidthPolicyConfig(max_width=width, adaptive=config.adaptive_overlap)
+        )
         self._cv = threading.Condition()
         self._inbox: dict[int, DraftRoundMessage] = {}
         self._next_no: int | None = None

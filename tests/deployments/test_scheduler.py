@@ -15,7 +15,7 @@ from deployments.messages import (
     EngineCoreRequest,
     PushedDraft,
 )
-from specdec.policy import SpeculationLength
+from specdec.policy import LengthPolicyConfig, SpeculationLength
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 
@@ -79,7 +79,7 @@ def test_draft_items_full_then_incremental_and_give_up():
 
 
 def test_a_row_the_policy_keeps_at_zero_leaves_the_draft_and_comes_back():
-    policy = SpeculationLength(max_k=4)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4))
     policy.observe_round_time(1, 0, 0.01)
     for k in range(1, 5):  # measured: any draft costs 100x a plain round, so k = 0 wins
         policy.observe_round_time(1, k, 1.0)
