@@ -48,6 +48,7 @@ __all__ = [
     "RowOutcome",
     "SpecCounts",
     "TelemetrySnapshot",
+    "TokenLogprob",
 ]
 
 
@@ -77,6 +78,15 @@ class EngineCoreRequest(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob(_Message):
+    """A token's log-probability under the target's raw distribution (before the
+    request's temperature, filters and penalties, as vLLM reports them)."""
+
+    logprob: float | None  # None: nothing to report (a prompt's first token)
+    top: dict[int, float] | None  # token id -> logprob, likeliest first ({} if none asked)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineCoreOutput(_Message):
     """What one round (or a prefill) committed for one request."""
 
@@ -87,10 +97,10 @@ class EngineCoreOutput(_Message):
     num_output_tokens: int  # committed so far, these included
     spec_counts: SpecCounts  # the request's speculation so far (a copy)
     error: str | None = None  # set: the request failed alone in the core
-    # per new token (logprob, [(token_id, logprob), ...]) when the request asked for them
-    logprobs: list[tuple] | None = None
-    # the prompt's tokens after the first, in that form: on a scoring request's first output
-    prompt_logprobs: list[tuple] | None = None
+    logprobs: list[TokenLogprob] | None = None  # [new], when the request asked for them
+    # [prompt_len - 1]: the prompt's tokens after the first, on a scoring request's first
+    # output
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

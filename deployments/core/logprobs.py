@@ -10,12 +10,14 @@ from collections.abc import Hashable
 
 import torch
 
+from deployments.messages import TokenLogprob
 
-def token_logprobs(logits, tokens: list[int], top: int | None) -> list[tuple] | None:
+
+def token_logprobs(logits, tokens: list[int], top: int | None) -> list[TokenLogprob] | None:
     """Log-probabilities of ``tokens`` with the ``top`` likeliest at each position.
 
     logits: [n, vocab], row j the target's logits for ``tokens[j]``.
-    Returns per token ``(logprob, [(token_id, logprob), ...])``; None when not asked for.
+    Returns one per token; None when not asked for.
     """
     if top is None or not tokens:
         return None
@@ -24,11 +26,11 @@ def token_logprobs(logits, tokens: list[int], top: int | None) -> list[tuple] | 
     if top:
         values, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)  # [n, top]
         tops = [
-            list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
         ]
     else:
-        tops = [[] for _ in tokens]
-    return list(zip(chosen, tops, strict=True))
+        tops = [{} for _ in tokens]
+    return [TokenLogprob(lp, t) for lp, t in zip(chosen, tops, strict=True)]
 
 
 def score_prompt(runner, sid: Hashable, prompt: list[int], top: int) -> tuple[torch.Tensor, list]:

@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import asdict, dataclass, field
 
 from deployments.frontend.detokenizer import IncrementalDetokenizer
-from deployments.messages import EngineCoreRequest
+from deployments.messages import EngineCoreRequest, TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.stats import SpecCounts
 
@@ -45,11 +45,10 @@ class RequestOutput:
     num_output_tokens: int
     stats: SpecCounts  # the request's speculation so far
     text: str | None = None  # the new text the client receives (None without a tokenizer)
-    # per new token: (logprob, [(token_id, logprob), ...]) when the request asked for them
-    logprobs: list[tuple] | None = None
+    logprobs: list[TokenLogprob] | None = None  # [new], when the request asked for them
     # the prompt's tokens after the first, in the same form (first output only, when the
     # request asked for prompt logprobs)
-    prompt_logprobs: list[tuple] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""OpenAI's two logprobs shapes, from the engine's ``(logprob, [(id, logprob), ...])`` per
-token: chat's list of token entries, and completions' parallel lists with text offsets.
+"""OpenAI's two logprobs shapes, from the engine's :class:`~deployments.messages.TokenLogprob`
+per token: chat's list of token entries, and completions' parallel lists with text offsets.
 
 A completions record is built up across outputs (a stream's chunks, or a whole
 response): it carries ``_end``, where its next token's text starts, which
@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from deployments.frontend.engine_client import RequestOutput
+from deployments.messages import TokenLogprob
+
+NOTHING = TokenLogprob(None, None)  # a token with nothing to report (a prompt's first)
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -20,12 +23,12 @@ def token_text(tokenizer, token_id: int) -> str:
 def chat_logprobs(tokenizer, out: RequestOutput) -> list[dict[str, Any]]:
     """Chat's logprobs entries for ``out``'s tokens."""
     entries = []
-    for tok, (lp, top) in zip(out.new_token_ids, out.logprobs or [], strict=False):
+    for tok, scored in zip(out.new_token_ids, out.logprobs or [], strict=False):
         text = token_text(tokenizer, tok)
         entries.append(
             {
                 "token": text,
-                "logprob": lp,
+                "logprob": scored.logprob,
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
                     {
@@ -33,7 +36,7 @@ def chat_logprobs(tokenizer, out: RequestOutput) -> list[dict[str, Any]]:
                         "logprob": v,
                         "bytes": list(t.encode("utf-8")),
                     }
-                    for i, v in top
+                    for i, v in scored.top.items()
                 ],
             }
         )
@@ -62,22 +65,22 @@ def prompt_completion_logprobs(
     """A completions-logprobs record that starts with the prompt's tokens (echo with
     logprobs): the first one's logprob and alternatives are null, nothing precedes it."""
     scored = (first.prompt_logprobs if first is not None else None) or []
-    scored = [(None, None), *scored, *[(None, None)] * (len(prompt_ids) - 1 - len(scored))]
+    scored = [NOTHING, *scored, *[NOTHING] * (len(prompt_ids) - 1 - len(scored))]
     return _append(tokenizer, new_completion_logprobs(0), prompt_ids, scored)
 
 
 def _append(
-    tokenizer, acc: dict[str, Any], token_ids: list[int], scored: list[tuple]
+    tokenizer, acc: dict[str, Any], token_ids: list[int], scored: list[TokenLogprob]
 ) -> dict[str, Any]:
-    """Append each token with its ``(logprob, [(id, logprob), ...])`` (``(None, None)``:
-    nothing to report) to ``acc``; offsets continue from ``acc["_end"]``."""
+    """Append each token with its log-probabilities to ``acc``; offsets continue from
+    ``acc["_end"]``."""
     offset = acc["_end"]
-    for tok, (lp, top) in zip(token_ids, scored, strict=False):
+    for tok, lp in zip(token_ids, scored, strict=False):
         text = token_text(tokenizer, tok)
         acc["tokens"].append(text)
-        acc["token_logprobs"].append(lp)
+        acc["token_logprobs"].append(lp.logprob)
         acc["top_logprobs"].append(
-            None if top is None else {token_text(tokenizer, i): v for i, v in top}
+            None if lp.top is None else {token_text(tokenizer, i): v for i, v in lp.top.items()}
         )
         acc["text_offset"].append(offset)
         offset += len(text)
