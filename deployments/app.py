@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig, EngineConfig
 from deployments.frontend.engine_client import EngineClient
+from deployments.messages import TokenLogprob
 from deployments.openai.api_keys import KeyStore
 from deployments.openai.server import create_app
 from deployments.placement import placement_for, replica_actor_options
@@ -129,13 +130,21 @@ class SpecServeDeployment:
             request_id=request.get("request_id"),
             domain=self.domains.bound(request.get("domain")),
         ):
+            s = out.stats
             yield {
                 **asdict(out),
+                # The handle's shapes as they were: stats' four counts and two rates, each
+                # logprob as (logprob, [(token id, logprob), ...]).
                 "stats": {
-                    **asdict(out.stats),
-                    "acceptance_rate": out.stats.acceptance_rate,
-                    "mean_acceptance_length": out.stats.mean_acceptance_length,
+                    "drafted": s.drafted,
+                    "accepted": s.accepted,
+                    "rounds": s.rounds,
+                    "cache_hits": s.cache_hits,
+                    "acceptance_rate": s.acceptance_rate,
+                    "mean_acceptance_length": s.mean_acceptance_length,
                 },
+                "logprobs": _pairs(out.logprobs),
+                "prompt_logprobs": _pairs(out.prompt_logprobs),
                 "replica_id": self.replica_id,
             }
 
@@ -188,3 +197,10 @@ def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Applic
 def build_app(args: dict[str, Any]) -> Application:
     """Entry point for ``serve deploy``: ``import_path: deployments.app:build_app``."""
     return build_specserve_app(config=AppConfig.model_validate(args))
+
+
+def _pairs(scored: list[TokenLogprob] | None) -> list[tuple] | None:
+    """Log-probabilities as the handle API gives them: ``(logprob, [(id, logprob), ...])``."""
+    if scored is None:
+        return None
+    return [(t.logprob, None if t.top is None else list(t.top.items())) for t in scored]

@@ -16,7 +16,7 @@ Who sends what (docs/architecture.md, "Messages", has the table with sizes):
 
 A leaf module: it imports nothing of the project but ``specdec``. The types are frozen
 dataclasses with slots; they pickle as their class and a tuple of their fields (no field
-names on the wire), so a round message costs what the tuples it replaced did.
+names on the wire, except inside the ``specdec.stats`` types some carry).
 """
 
 from __future__ import annotations

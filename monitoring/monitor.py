@@ -94,6 +94,8 @@ class Monitor:
         cursor to send next time. A replica new to this monitor (no cursor, or one from a
         monitor that has since restarted) gets only the alerts firing now, not history it
         would misread as news. One that fell more than MAX_EVENTS behind gets the latest."""
+        if isinstance(cursor, tuple):  # from a replica of before records.py: (epoch, count)
+            cursor = AlertCursor(*cursor)
         end = AlertCursor(self.epoch, self._events_before + len(self.events))
         if cursor is None or cursor.epoch != self.epoch:
             return ReportReply([AlertRecord(d, a) for d, a in self._firing.items()], end)

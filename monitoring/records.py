@@ -6,6 +6,10 @@ these are plain frozen dataclasses (no slots: unpickling restores their ``__dict
 every field added after the first has a default, which an older sender's record falls
 back to (a dataclass field's default is a class attribute); a field a newer sender adds
 is ignored by an older reader's code. Never rename or retype a field; add one instead.
+(The rule starts with this module: a replica from before it sends its alert cursor as a
+tuple, which the monitor still reads, but cannot read a :class:`ReportReply`; until both
+sides run this version, such a replica's flushes fail and are retried, and it gets no
+drift alerts.)
 ``tests/monitoring/test_records.py`` holds that rule to account.
 
 Imports nothing of the project (the monitor imports only ``specdec`` and itself).

@@ -3,7 +3,7 @@ the record of one engine round, filled once by the core and read by everyone els
 
 One round's :class:`RoundStats` is what the length policy learns from (acceptance per
 domain, the round's cost at its planned k), what the monitor receives (one
-``monitoring.metrics.RoundRecord`` per drafted row), what the core's timings add up, and
+``monitoring.records.RoundRecord`` per drafted row), what the core's timings add up, and
 where each request's :class:`SpecCounts` (the response's ``speculation`` block) comes
 from. Nothing else counts drafted or accepted tokens.
 
@@ -66,13 +66,9 @@ class SpecCounts:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
-    def alpha_hat(self) -> float | None:
-        return alpha_hat(self.accepted, self.rejections)
-
-    @property
     def mean_acceptance_length(self) -> float:
         """Tokens per drafted round, counting the recovered or bonus token."""
-        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
 
 @dataclass(frozen=True)
@@ -113,9 +109,3 @@ class RoundStats:
     @property
     def committed(self) -> int:
         return sum(r.committed for r in self.rows)
-
-    def counts_by_domain(self) -> dict[str, SpecCounts]:
-        out: dict[str, SpecCounts] = {}
-        for r in self.drafted_rows:
-            out.setdefault(r.domain, SpecCounts()).observe(r.drafted, r.accepted, r.cache_hit)
-        return out

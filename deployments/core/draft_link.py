@@ -227,10 +227,6 @@ class ActorDraftLink(DraftLink):
         self._graph = _DraftGraph() if transport == "compiled_graph" else None
 
     @property
-    def draft(self):
-        return self._draft
-
-    @property
     def has_draft(self) -> bool:
         return self._draft is not None
 

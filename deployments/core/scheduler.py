@@ -197,9 +197,7 @@ class Scheduler:
             self.policy.observe_round(row.domain, row.drafted, row.accepted)
         if not stats.resuming:
             at_planned = [
-                (row.domain, row.drafted, row.accepted)
-                for row in stats.rows
-                if stats.planned_k and row.asked_planned
+                (row.domain, row.drafted, row.accepted) for row in stats.rows if row.asked_planned
             ]
             self.policy.observe_round_time(
                 stats.batch_size, stats.planned_k, stats.total_s, at_planned

@@ -1,8 +1,7 @@
 """The engine frontend: what the Serve replica runs next to its HTTP API.
 
-Rounds are not driven from here: the engine core (:mod:`deployments.core.engine_core`) runs
-them in a
-loop next to the target, and the draft actor pushes drafts to it directly. This side
+Rounds are not driven from here: the engine core (:mod:`deployments.core.engine_core`)
+runs them in a loop next to the target, and the draft actor pushes drafts to it directly. This side
 admits requests, streams committed tokens to clients (one long-poll per replica), stops
 sequences at stop strings, aborts sequences whose client went away, and replaces
 workers that die, so it is never on a round's critical path.

@@ -1,8 +1,8 @@
 """What the frontend keeps per request, what it streams out, and the errors it raises.
 
-Plain data (no Ray, no asyncio work): :class:`deployments.frontend.engine_client.EngineClient`
-owns the
-live :class:`RequestState` objects and the OpenAI layer turns :class:`RequestOutput` and
+Plain data (no Ray, no asyncio work):
+:class:`deployments.frontend.engine_client.EngineClient` owns the live
+:class:`RequestState` objects and the OpenAI layer turns :class:`RequestOutput` and
 the errors into HTTP responses.
 """
 

@@ -399,7 +399,6 @@ class OpenAIServing:
         stats = SpecCounts()
         for last in lasts:
             if last is not None:
-                for name in ("drafted", "accepted", "rounds", "cache_hits"):
-                    setattr(stats, name, getattr(stats, name) + getattr(last.stats, name))
+                stats.add(last.stats)
         total = RequestOutput("", [], True, None, 0, 0, stats)
         return self.report(total, args, params)

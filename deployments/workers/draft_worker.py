@@ -1,9 +1,9 @@
 """The draft actor with its own loop.
 
-The target side is :class:`deployments.core.engine_core.EngineCore`. Token ids travel as Python
-lists
-and draft probabilities as 16-bit weights (:class:`specdec.qcodec.CompactQ`, only for
-sampled requests; greedy verification needs no ``q``), never logits of the target.
+The target side is :class:`deployments.core.engine_core.EngineCore`. Token ids travel as
+Python lists and draft probabilities as 16-bit weights (:class:`specdec.qcodec.CompactQ`,
+only for sampled requests; greedy verification needs no ``q``), never logits of the
+target; every message is a type of :mod:`deployments.messages`.
 """
 
 from __future__ import annotations

@@ -148,6 +148,8 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     assert cursor == AlertCursor(mon.epoch, 2)
     assert alerts[0].current_alpha == pytest.approx(mon.events[0].current)
     assert mon.alerts_since(cursor) == ReportReply([], cursor)
+    # A replica from before monitoring/records.py sends its cursor as a tuple.
+    assert mon.alerts_since((mon.epoch, 0)) == reply
     # A new replica, or one whose cursor is from a monitor since restarted: no history,
     # only what fires now (nothing: the alert resolved).
     assert mon.alerts_since(None) == ReportReply([], cursor)
