@@ -32,7 +32,7 @@ def alpha_hat(accepted: float, rejections: float) -> float | None:
     return accepted / total if total > 0 else None
 
 
-@dataclass
+@dataclass(slots=True)
 class SpecCounts:
     """Additive speculation counts: of one request, one domain, or everything.
 
@@ -53,6 +53,12 @@ class SpecCounts:
         self.rejections += int(accepted < drafted)
         self.cache_hits += int(cache_hit)
 
+    def copy(self) -> SpecCounts:
+        """A snapshot (for a message: the counts go on changing here)."""
+        return SpecCounts(
+            self.drafted, self.accepted, self.rounds, self.rejections, self.cache_hits
+        )
+
     def add(self, other: SpecCounts) -> None:
         self.drafted += other.drafted
         self.accepted += other.accepted
@@ -71,9 +77,9 @@ class SpecCounts:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RowOutcome:
-    """One row's part of one round."""
+    """One row's part of one round (written once, when the round commits it)."""
 
     domain: str  # the traffic domain (policy and telemetry key)
     drafted: int  # draft tokens verified [tokens]; 0: the row ran target-only
@@ -83,7 +89,7 @@ class RowOutcome:
     asked_planned: bool  # it asked for the round's planned k (its cost says something of it)
 
 
-@dataclass
+@dataclass(slots=True)
 class RoundStats:
     """One engine round, filled once by the core when the round ends; see the module
     docstring for who reads it. Times are wall seconds on the core's loop thread."""

@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 from collections.abc import Hashable
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import ray
@@ -469,7 +468,7 @@ class EngineCore:
         else:
             with self._cv:
                 self._seq_ids.discard(sid)
-        counts = replace(seq.counts) if seq is not None else SpecCounts()
+        counts = seq.counts.copy() if seq is not None else SpecCounts()
         n_out = len(seq.state.output_token_ids) if seq is not None else 0
         error = f"request failed in the engine core: {type(exc).__name__}: {exc}"
         self._publish([EngineCoreOutput(sid, [], True, "error", n_out, counts, error)])
@@ -661,7 +660,7 @@ class EngineCore:
             st.finished,
             st.finish_reason,
             len(st.output_token_ids),
-            replace(seq.counts),
+            seq.counts.copy(),
             None,
             logprobs,
             prompt_logprobs,
