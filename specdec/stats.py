@@ -53,6 +53,15 @@ class SpecCounts:
         self.rejections += int(accepted < drafted)
         self.cache_hits += int(cache_hit)
 
+    def __reduce__(self):  # pickled as a tuple: it rides on every output message
+        return SpecCounts, (
+            self.drafted,
+            self.accepted,
+            self.rounds,
+            self.rejections,
+            self.cache_hits,
+        )
+
     def copy(self) -> SpecCounts:
         """A snapshot (for a message: the counts go on changing here)."""
         return SpecCounts(
@@ -80,6 +89,16 @@ class SpecCounts:
 @dataclass(slots=True)
 class RowOutcome:
     """One row's part of one round (written once, when the round commits it)."""
+
+    def __reduce__(self):  # pickled as a tuple, as every message is
+        return RowOutcome, (
+            self.domain,
+            self.drafted,
+            self.accepted,
+            self.cache_hit,
+            self.committed,
+            self.asked_planned,
+        )
 
     domain: str  # the traffic domain (policy and telemetry key)
     drafted: int  # draft tokens verified [tokens]; 0: the row ran target-only
