@@ -4,7 +4,8 @@ For vocabulary 128256 and k = 5, at batch 1 and 32, greedy, T = 1 and top-p 0.9,
 builds the round's push exactly as the draft worker does (a
 :class:`deployments.messages.DraftPush` of ``pushed_draft`` rows: token ids, and for sampled
 rows ``q``) in the old form (float32 ``[k, vocab]`` numpy per sampled row)
-and the new one (:class:`specdec.qcodec.CompactQ`), measures its pickled size, and times
+and the new one (:class:`specdec.qcodec.CompactQ`, encoded as the worker sends it:
+:func:`deployments.messages.encode`), measures its size on the wire, and times
 a push of it from one Ray actor to another and back (the round's overhead between
 actors), the two forms interleaved. Draft distributions come from random logits through
 the real sampling transform (no model: only the message is measured).
@@ -27,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import RESULTS, median, write_result
-from deployments.messages import DraftPush
+from deployments.messages import DraftPush, encode
 from deployments.workers.drafting import pushed_draft
 from specdec.qcodec import quantize_q
 from specdec.sampling import SamplingParams, probs_for
@@ -93,11 +94,12 @@ def main() -> None:
         drafts = [_drafts(SETTINGS[name], gen) for _ in range(batch)]
         payload = {
             "old": (0, [_old_item(i, d) for i, d in enumerate(drafts)]),
-            "new": DraftPush(0, [pushed_draft(i, (), d) for i, d in enumerate(drafts)]),
+            "new": encode(DraftPush(0, [pushed_draft(i, (), d) for i, d in enumerate(drafts)])),
         }
         row = {}
         for form, items in payload.items():
-            row[form] = {"bytes_per_round": len(pickle.dumps(items, protocol=5))}
+            wire = items if isinstance(items, bytes) else pickle.dumps(items, protocol=5)
+            row[form] = {"bytes_per_round": len(wire)}
             row[form]["bytes_per_row_round"] = row[form]["bytes_per_round"] / batch
         times = {"old": [], "new": []}
         refs = {form: ray.put(items) for form, items in payload.items()}

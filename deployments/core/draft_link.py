@@ -27,6 +27,8 @@ from deployments.messages import (
     DraftStatus,
     PushedDraft,
     RoundFeedback,
+    decode,
+    encode,
 )
 
 logger = logging.getLogger("specserve.draft_link")
@@ -168,7 +170,7 @@ class _DraftGraph:
                 if early is None:
                     return False
                 self._early = early
-            self._refs.append(self._dag.execute(msg))
+            self._refs.append(self._dag.execute(encode(msg)))
             return True
         except Exception:
             logger.exception("compiled graph to the draft failed")
@@ -181,7 +183,8 @@ class _DraftGraph:
         try:
             while self._refs:
                 ref = self._refs.pop(0)
-                replies.append(ref.get(timeout=max(0.0, deadline - time.perf_counter())))
+                reply = ref.get(timeout=max(0.0, deadline - time.perf_counter()))
+                replies.append(decode(DraftPush, reply))
         except Exception as exc:
             logger.warning("no reply from the draft through the compiled graph: %r", exc)
             self.teardown()
@@ -283,7 +286,7 @@ class ActorDraftLink(DraftLink):
         self._msg_no += 1
         msg = DraftRoundMessage(self._msg_no, first, self.round, items, freed, feedback)
         if self._graph is None:
-            self._sender.send(draft.on_round, msg)
+            self._sender.send(draft.on_round, encode(msg))
             return True
         if self._graph.execute(draft, msg):
             return True

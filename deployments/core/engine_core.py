@@ -52,6 +52,8 @@ from deployments.messages import (
     PushedDraft,
     RoundFeedback,
     TelemetrySnapshot,
+    decode,
+    encode,
 )
 from deployments.workers.drafting import DraftRounds
 from deployments.workers.model_loader import configure_thread, load_runner, worker_info
@@ -260,17 +262,17 @@ class EngineCore:
         }
 
     @ray.method(concurrency_group="push")
-    def push_drafts(self, push: DraftPush) -> None:
-        """Drafts from the draft actor (the actor shape only: a colocated draft pushes
-        nothing)."""
+    def push_drafts(self, push: bytes) -> None:
+        """Drafts from the draft actor: an encoded :class:`DraftPush` (the actor shape
+        only: a colocated draft pushes nothing)."""
         if not isinstance(self.link, ActorDraftLink):
             raise RuntimeError("a colocated draft pushes nothing")
-        self.link.store(push)
+        self.link.store(decode(DraftPush, push))
 
     @ray.method(concurrency_group="poll")
-    def get_outputs(self, cursor: int, timeout_s: float) -> EngineCoreOutputs:
-        """Long-poll: outputs after ``cursor`` (those before it are acknowledged and dropped),
-        waiting up to ``timeout_s`` for one."""
+    def get_outputs(self, cursor: int, timeout_s: float) -> bytes:
+        """Long-poll: an encoded :class:`EngineCoreOutputs` of the outputs after ``cursor``
+        (those before it are acknowledged and dropped), waiting up to ``timeout_s`` for one."""
         with self._out_cv:
             drop = max(0, min(cursor - self._out_base, len(self._outbox)))
             del self._outbox[:drop]
@@ -278,7 +280,7 @@ class EngineCore:
             if not self._outbox and not self.error:
                 self._out_cv.wait(timeout_s)
             cursor = self._out_base + len(self._outbox)
-            return EngineCoreOutputs(cursor, list(self._outbox), self.error)
+            return encode(EngineCoreOutputs(cursor, self._outbox, self.error))
 
     # ----- the loop -------------------------------------------------------------------------
 

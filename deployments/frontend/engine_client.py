@@ -37,7 +37,7 @@ from deployments.frontend.request_state import (
 )
 from deployments.frontend.telemetry_link import TelemetryLink, TelemetrySink
 from deployments.frontend.worker_launch import WorkerLauncher, startup_cause
-from deployments.messages import EngineCoreOutput, EngineCoreOutputs
+from deployments.messages import EngineCoreOutput, EngineCoreOutputs, decode
 from specdec.sampling import SamplingParams
 from specdec.stats import SpecCounts
 
@@ -442,8 +442,11 @@ class EngineClient:
         cursor = 0
         while True:
             try:
-                polled: EngineCoreOutputs = await self._call(
-                    self.target.get_outputs.remote(cursor, POLL_TIMEOUT_S), POLL_TIMEOUT_S
+                polled = decode(
+                    EngineCoreOutputs,
+                    await self._call(
+                        self.target.get_outputs.remote(cursor, POLL_TIMEOUT_S), POLL_TIMEOUT_S
+                    ),
                 )
                 cursor, outs, error = polled.cursor, polled.outputs, polled.error
             except asyncio.CancelledError:

@@ -16,7 +16,14 @@ from typing import Any, ClassVar
 import ray
 
 from deployments.config import ModelSpec
-from deployments.messages import DraftPush, DraftRoundMessage, DraftWorkerConfig, PushedDraft
+from deployments.messages import (
+    DraftPush,
+    DraftRoundMessage,
+    DraftWorkerConfig,
+    PushedDraft,
+    decode,
+    encode,
+)
 from deployments.workers.drafting import DraftRounds, pushed_draft
 from deployments.workers.model_loader import configure_thread, load_runner, worker_info
 from specdec.policy import SpeculationWidth, WidthPolicyConfig
@@ -92,18 +99,22 @@ class DraftWorker:
                     )
 
     @ray.method(concurrency_group="io")
-    def on_round(self, msg: DraftRoundMessage) -> None:
-        """A round's outcomes from the core (the actor transport)."""
+    def on_round(self, msg: bytes) -> None:
+        """A round's outcomes from the core (the actor transport): an encoded
+        :class:`DraftRoundMessage`."""
+        msg = decode(DraftRoundMessage, msg)
         with self._cv:
             self._enqueue(msg)
 
-    def step(self, msg: DraftRoundMessage) -> DraftPush:
-        """The compiled-graph transport's node: a message in, its round's drafts out."""
+    def step(self, msg: bytes) -> bytes:
+        """The compiled-graph transport's node: an encoded message in, its round's drafts
+        out (an encoded :class:`DraftPush`)."""
+        msg = decode(DraftRoundMessage, msg)
         with self._cv:
             if self._enqueue(msg):
                 while msg.msg_no not in self._replies and self.error is None:
                     self._cv.wait()
-            return self._replies.pop(msg.msg_no, DraftPush(msg.round_for, []))
+            return encode(self._replies.pop(msg.msg_no, DraftPush(msg.round_for, [])))
 
     def _enqueue(self, msg: DraftRoundMessage) -> bool:
         """Queue a message for the loop (caller holds ``_cv``); False if it is stale."""
@@ -194,7 +205,7 @@ class DraftWorker:
                 self._replies[msg_no] = push
                 self._cv.notify_all()
         elif push.drafts and core is not None:
-            core.push_drafts.remote(push)
+            core.push_drafts.remote(encode(push))
 
     def _handle(self, core, msg: DraftRoundMessage) -> None:
         """Draft what the core waits for now, then (overlap) prepare the next round's."""
@@ -243,4 +254,4 @@ class DraftWorker:
             self.speculated += len(branches)
             if not self._reply_in_step:  # else they wait here for the next message
                 drafts = [pushed_draft(br.seq_id, br.guess, br.drafts) for br in branches]
-                core.push_drafts.remote(DraftPush(round_for, drafts))
+                core.push_drafts.remote(encode(DraftPush(round_for, drafts)))
