@@ -60,7 +60,10 @@ class BatchLayout:
 
 
 class _SlotLayer(CacheLayerMixin):
-    """One decoder layer's keys/values: ``[slots, kv_heads, capacity, head_dim]``."""
+    """One decoder layer's keys ``[slots, kv_heads, capacity, head_dim]`` and values
+    ``[slots, kv_heads, capacity, v_head_dim]``: the two head sizes may differ (multi-head
+    latent attention as transformers runs DeepSeek-V3 and Kimi K2: keys of
+    ``qk_nope_head_dim + qk_rope_head_dim``, values of ``v_head_dim``)."""
 
     is_sliding = False
 
@@ -69,31 +72,29 @@ class _SlotLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # The first forward (the runner's probe at load) learns heads, head_dim and dtype.
-        _, heads, _, dim = key_states.shape
-        shape = (self.owner.num_slots, heads, self.owner.capacity, dim)
-        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        # The first forward (the runner's probe at load) learns heads, head sizes and dtype.
+        self.keys = self._zeros_like(key_states)
+        self.values = self._zeros_like(value_states)
         self.is_initialized = True
+
+    def _zeros_like(self, states: torch.Tensor) -> torch.Tensor:
+        """Zeros ``[slots, heads, capacity, dim]`` with ``states``' heads, dim, dtype and
+        device (``states``: ``[batch, heads, n, dim]``, or a cache tensor)."""
+        _, heads, _, dim = states.shape
+        shape = (self.owner.num_slots, heads, self.owner.capacity, dim)
+        return torch.zeros(shape, dtype=states.dtype, device=states.device)
 
     def allocate(self) -> None:
         """(Re)allocate at the owner's slot count and capacity, zeroed: a masked-out key
         must never be NaN, which uninitialised memory can be."""
         if self.is_initialized:
-            shape = (
-                self.owner.num_slots,
-                self.keys.shape[1],
-                self.owner.capacity,
-                self.keys.shape[3],
-            )
-            self.keys = self.keys.new_zeros(shape)
-            self.values = self.values.new_zeros(shape)
+            self.keys = self._zeros_like(self.keys)
+            self.values = self._zeros_like(self.values)
 
     def bytes_per_token(self) -> int:
         if not self.is_initialized:
             return 0
-        per = self.keys.shape[1] * self.keys.shape[3]
-        return per * (self.keys.element_size() + self.values.element_size())
+        return sum(t.shape[1] * t.shape[3] * t.element_size() for t in (self.keys, self.values))
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states, value_states: [batch, kv_heads, n, head_dim]

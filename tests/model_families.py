@@ -286,6 +286,93 @@ FAMILIES: dict[str, Family] = {
             "</s>",
         ),
         Family(
+            # Multi-head latent attention as transformers runs it: keys of qk_nope + qk_rope
+            # (here 16 + 8, in V3 128 + 64) beside values of v_head_dim (8; V3 128), low-rank
+            # q and kv projections, interleaved YaRN rope; layer 0 dense, then mixture of
+            # experts with grouped routing (the draft keeps the dense layer)
+            "deepseek-v3",
+            {
+                "model_type": "deepseek_v3",
+                "vocab_size": 129280,
+                **_SMALL,
+                "num_key_value_heads": 4,
+                "q_lora_rank": 32,
+                "kv_lora_rank": 16,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 8,
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 4,
+                "n_shared_experts": 1,
+                "num_experts_per_tok": 2,
+                "n_group": 2,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 40.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 4096,
+                },
+                "max_position_embeddings": 163840,
+                "tie_word_embeddings": False,
+                "bos_token_id": 0,
+                "eos_token_id": 1,
+            },
+            {},
+            128815,  # 129280 embedding rows over the tokenizer's 128815 ids
+            {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2},
+            "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>",
+        ),
+        Family(
+            # Kimi K2: DeepSeek-V3's architecture (its checkpoints name DeepseekV3ForCausalLM)
+            # with its own shape: a 163840-id vocabulary, one routing group, YaRN factor 32,
+            # no BOS added by its tokenizer
+            "kimi-k2",
+            {
+                "model_type": "deepseek_v3",
+                "vocab_size": 163840,
+                **_SMALL,
+                "num_key_value_heads": 4,
+                "q_lora_rank": 32,
+                "kv_lora_rank": 16,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 8,
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 6,
+                "n_shared_experts": 1,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 50000.0,
+                    "factor": 32.0,
+                    "beta_fast": 1.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 4096,
+                },
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": False,
+                "bos_token_id": 163584,
+                "eos_token_id": 163585,
+            },
+            {},
+            163840,
+            {"[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586},
+            None,
+            "[EOS]",
+        ),
+        Family(
             "llama3-qwen2-draft",  # a draft of another family over the Llama 3 tokenizer
             {},  # filled from llama3 below
             {"model_type": "qwen2", "use_sliding_window": False},
@@ -308,7 +395,17 @@ FAMILIES["llama3-qwen2-draft"] = Family(
     FAMILIES["llama3"].chat_template,
 )
 
-SERVED = ["llama3", "qwen2.5", "qwen3", "mistral", "gpt2", "opt", "llama3-qwen2-draft"]
+SERVED = [
+    "llama3",
+    "qwen2.5",
+    "qwen3",
+    "mistral",
+    "gpt2",
+    "opt",
+    "deepseek-v3",
+    "kimi-k2",
+    "llama3-qwen2-draft",
+]
 SERVED_OR_REFUSED = ["gemma2", "gemma3", "phi3"]
 
 
