@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import RESULTS, median, write_result
-from deployments.messages import DraftPush, encode
+from deployments.messages import DraftPush, decode, encode
 from deployments.workers.drafting import pushed_draft
 from specdec.qcodec import quantize_q
 from specdec.sampling import SamplingParams, probs_for
@@ -65,6 +65,8 @@ def _old_item(seq_id, drafts: Drafts) -> tuple:
 @ray.remote
 class Core:
     def push(self, push) -> int:
+        if isinstance(push, bytes):  # the new form is read back as the core does
+            decode(DraftPush, push)
         return 0
 
 

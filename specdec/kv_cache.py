@@ -3,8 +3,9 @@
 Why not ``DynamicCache``: speculative decoding appends ``k + 1`` positions per round and
 then throws away the rejected suffix, per sequence, with sequences of different lengths
 in one batch. Like gpt-fast's static cache, each sequence here owns a *slot* (a row of a
-preallocated ``[slots, kv_heads, capacity, head_dim]`` tensor per layer) and a length;
-rollback is a length change, and new positions are written at each row's own offset.
+preallocated ``[slots, kv_heads, capacity, head_dim]`` tensor per layer for keys, and one
+for values, whose head size may differ) and a length; rollback is a length change, and new
+positions are written at each row's own offset.
 Attention reads only up to each row's length through a 4D mask built by the runner.
 
 The tensors are allocated once, when the runner knows its slot count from the memory

@@ -334,6 +334,10 @@ class EngineClient:
                 f"prompt token ids must be a non-empty list of integers in [0, {vocab})",
                 "prompt",
             )
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be integers in [0, {vocab})", "stop_token_ids"
+            )
         if params.top_k > vocab:
             raise InvalidRequestError(
                 f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab}", "top_k"
@@ -359,6 +363,9 @@ class EngineClient:
 
     def _new_request(self, request_id, prompt_token_ids, params, k, domain, auto) -> RequestState:
         """The request's state, registered under its id (refused if the id is in use)."""
+        if request_id is not None and not isinstance(request_id, str):
+            # ids cross to the core as strings (deployments.messages.SeqId)
+            raise InvalidRequestError("request_id must be a string", "request_id")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
@@ -457,6 +464,10 @@ class EngineClient:
                     return
                 cursor = 0
                 continue
+            except Exception as exc:  # an answer that cannot be read: fail loudly, never hang
+                logger.exception("could not read the engine core's outputs")
+                self._fail(f"engine failure: unreadable outputs: {exc!r}")
+                return
             for out in outs:
                 self._deliver(out)
             if error:

@@ -509,6 +509,35 @@ def test_a_failing_request_fails_alone_and_leaks_nothing(
     assert health["ready"] and health["error"] is None
 
 
+def test_what_the_core_cannot_carry_is_refused_with_the_field(
+    ray_local, tiny_target, tiny_draft, reference
+):
+    """Through the Python handle, past the HTTP layer's checks: a request id that is not a
+    string, and a stop token id outside the vocabulary (2**64 would not even encode), are
+    refused naming their field, while a normal request in flight finishes unchanged."""
+    from deployments.frontend.request_state import InvalidRequestError
+
+    cfg = config(tiny_target, tiny_draft)
+
+    async def body(engine):
+        normal = asyncio.ensure_future(collect(engine, PROMPTS[0], GREEDY))
+        await asyncio.sleep(0)
+        for request_id in (7, ("a", 1), b"id"):
+            with pytest.raises(InvalidRequestError, match="request_id") as err:
+                await collect(engine, PROMPTS[1], GREEDY, request_id=request_id)
+            assert err.value.param == "request_id"
+        for stop in ([10**6], [2**64], [-1]):
+            params = SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=stop)
+            with pytest.raises(InvalidRequestError, match="stop_token_ids") as err:
+                await collect(engine, PROMPTS[1], params)
+            assert err.value.param == "stop_token_ids"
+        return await normal, await collect(engine, PROMPTS[2], GREEDY)
+
+    (tokens, last), (again, _) = asyncio.run(with_engine(cfg, body))
+    assert tokens == reference[tuple(PROMPTS[0])] and last.finish_reason == "length"
+    assert again == reference[tuple(PROMPTS[2])]
+
+
 def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
     cfg = config(tiny_target, tiny_draft)
 

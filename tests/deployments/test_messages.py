@@ -57,14 +57,14 @@ def test_outputs_round_trip_field_for_field():
     assert list(back.outputs[1].logprobs[0].top) == [7, 3]
 
 
-def test_round_message_round_trips_with_restarts_and_int_ids():
+def test_round_message_round_trips_with_restarts():
     restart = DraftRestart([1, 2, 3], [4], {"temperature": 0.0, "stop": ["\n"]})
     msg = DraftRoundMessage(
         msg_no=17,
         first=True,
         round_for=9,
-        items=[DraftItem("a", 4, [4], 3, restart), DraftItem(7, 10, [8, 9], 0)],
-        freed=["b", 11],
+        items=[DraftItem("a", 4, [4], 3, restart), DraftItem("c", 10, [8, 9], 0)],
+        freed=["b", "d"],
         feedback=RoundFeedback(0.012, None, 5),
     )
     assert decode(DraftRoundMessage, encode(msg)) == msg
