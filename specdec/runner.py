@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specdec.attention import (
     attention_layout,
@@ -36,9 +36,11 @@ class ModelRunner:
     """Owns a model, its KV cache, and the sequences whose KV lives in that cache.
 
     ``model`` is any Hugging Face hub id or local directory loadable with
-    ``AutoModelForCausalLM.from_pretrained``; ``trust_remote_code`` stays off unless the
-    caller turns it on. Sliding-window layers get their window in every mask the runner
-    builds (:mod:`specdec.attention`); a config with layer types it cannot mask raises
+    ``AutoModelForCausalLM.from_pretrained`` (``trust_remote_code`` stays off unless the
+    caller turns it on), or a model already built (``bench.gpu``'s random-weight 8B: saving
+    16 GB only to load it again would take minutes); ``dtype`` applies to the former.
+    Sliding-window layers get their window in every mask the runner builds
+    (:mod:`specdec.attention`); a config with layer types it cannot mask raises
     :class:`specdec.attention.UnsupportedModelError` before any weight is loaded.
 
     The KV cache is allocated once, here: ``max_num_seqs`` slots of ``max_model_len``
@@ -51,7 +53,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: str,
+        model: str | PreTrainedModel,
         *,
         dtype: str = "float32",
         device: str = "cpu",
@@ -68,14 +70,20 @@ class ModelRunner:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
-        self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        self.attention = attention_layout(self.config)  # refuses what it cannot mask
-        self.model = _load_model(model, _DTYPES[dtype], trust_remote_code).to(self.device)
+        if isinstance(model, str):
+            self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            self.attention = attention_layout(self.config)  # refuses what it cannot mask
+            model_name, model = model, _load_model(model, _DTYPES[dtype], trust_remote_code)
+        else:
+            self.config = model.config
+            self.attention = attention_layout(self.config)
+            model_name = type(model).__name__
+        self.model = model.to(self.device)
         self.model.eval()
         # Eager attention adds the mask to its scores; SDPA takes a boolean one.
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         self._mask_dtype = self.model.dtype if impl == "eager" else None
-        self.max_model_len = self._served_length(model, max_model_len)
+        self.max_model_len = self._served_length(model_name, max_model_len)
         self.prefill_chunk_size = prefill_chunk_size
         # Rows of the LM head (logits width) and of the input embedding (ids it can read):
         # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).

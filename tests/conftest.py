@@ -1,5 +1,10 @@
 """Shared fixtures: tiny random Llama and GPT-2 models saved to disk and loaded like hub
-models (GPT-2 has learned absolute position embeddings and a small context limit)."""
+models (GPT-2 has learned absolute position embeddings and a small context limit), and a
+local Ray instance for the tests that run actors.
+
+Ray is imported only inside the fixtures that start it: ``tests/specdec`` (and
+``python -m bench.gpu``) run on a machine that has torch and transformers but no Ray,
+such as the GPU machine lent to some sessions."""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ import socket
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -119,6 +123,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def ray_local():
+    import ray
+
     if ray.is_initialized():
         ray.shutdown()
     # Logical CPUs: the workers reserve resources; the machine's 2 cores are shared.

@@ -7,7 +7,8 @@ What runs, per module (each a few seconds on 2 cores):
 * ``bench.costs``: ``main`` with one rep and an 8-token prompt (demo pair, one process);
 * ``bench.pair``: ``main`` with one prompt per domain, 4 tokens, 2 timing reps;
 * ``bench.heldout``: its prompt sources (pure);
-* ``bench.ttft``: its in-process part, the target's prefill time (``prefill_ms``).
+* ``bench.ttft``: its in-process part, the target's prefill time (``prefill_ms``);
+* ``bench.gpu``: ``--device cpu --smoke`` at batch 1 and 8 (tiny configs, ~25 s).
 
 Imported (and their config builders validated against ``deployments.config``) but not
 run: ``bench.pipeline`` and ``bench.telemetry`` start Ray actors; ``bench.http`` needs a
@@ -157,3 +158,30 @@ def test_config_builders_validate():
     for draft in (True, False):
         cfg = AppConfig.model_validate(serving.app_args(draft, 9464))
         assert (cfg.engine.draft is not None) == draft
+
+
+def test_gpu_smoke_on_cpu(results, monkeypatch):
+    """``bench.gpu`` as a GPU session runs it, on tiny configs here: every section written,
+    each pass against its floor, oracle speculation at both α, transformers' three modes
+    (torch.compile included)."""
+    argv = ["--device", "cpu", "--smoke", "--batches", "1", "8", "--reps", "1"]
+    payload = run_main(monkeypatch, "bench.gpu", argv, results, "gpu_smoke")
+    out = payload["results"]
+    assert payload["settings"]["smoke"] and payload["settings"]["target"] == "llama-3.1-8b"
+    assert set(out["passes"]["verify"]) == {
+        f"batch {b}, {n} positions" for b in (1, 8) for n in (1, 2, 4, 6)
+    }
+    for row in [*out["passes"]["verify"].values(), *out["passes"]["draft_step"].values()]:
+        assert 0 < row["floor_ms"] < row["ms"] and 0 < row["floor_fraction"] < 1
+    for batch in ("batch 1", "batch 8"):
+        row = out["decoding"][batch]
+        assert row["plain"] > 0
+        for alpha in (0.6, 0.8):  # at most k + 1 tokens a round, at least the bonus
+            assert 1 <= row[f"alpha {alpha}"]["tokens_per_round_per_row"] <= 6
+    assert set(out["transformers_batch1"]) == {
+        "plain_eager",
+        "assisted",
+        "static_compile",
+        "static_compile_warmup_s",
+    }
+    assert all(x > 0 for x in numbers(out))

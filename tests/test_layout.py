@@ -92,3 +92,23 @@ def test_the_checks_above_see_a_violation():
     source = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
     (node,) = ast.parse(source).body
     assert node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+
+
+def test_the_one_process_path_runs_without_ray():
+    """specdec, its tests and ``bench.gpu`` import without Ray (and without msgspec or
+    pydantic): the GPU machine lent to some sessions has torch and transformers only."""
+    import subprocess
+    import sys
+
+    specdec_tests = [name_of(p) for p in modules("tests.specdec")]
+    code = (
+        "import sys\n"
+        "for blocked in ('ray', 'msgspec', 'pydantic', 'deployments', 'monitoring'):\n"
+        "    sys.modules[blocked] = None  # importing it now raises ImportError\n"
+        "import importlib\n"
+        f"for name in {[name_of(p) for p in modules('specdec')] + specdec_tests}:\n"
+        "    importlib.import_module(name)\n"
+        "import tests.conftest, tests.model_families, bench.gpu\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -1,0 +1,381 @@
+"""The one-process path on a GPU: what a round costs against the memory-bound floor.
+
+    python -m bench.gpu                      # on a GPU machine: Llama-3.1-8B / 3.2-1B shapes
+    python -m bench.gpu --device cpu --smoke # tiny configs, here, in under two minutes
+
+Why this exists: speculative decoding pays only when a draft token costs a small fraction
+of a target pass, and whether SpecServe's runner gets there on the hardware users run is a
+question for a GPU, which the serving stack (Ray) does not reach in this project's device
+sessions. So this needs nothing but ``torch``, ``transformers`` and the source tree on
+``PYTHONPATH``: no Ray, no network, no weights. It builds a target and a draft with random
+weights from the configs in ``bench/configs/`` (the real ones; ``--smoke`` shrinks widths,
+depths and vocabulary), in bf16 on the device, and measures with :mod:`specdec`'s runner:
+
+* the bandwidth the device really has (a device-to-device copy), and from it the floor of
+  each pass: the bytes it must read (weights, less an untied input embedding, which is a
+  gather; plus the KV cache it attends to) over that bandwidth;
+* ms per verification pass at (batch, k + 1 positions) and per draft step, each against
+  its floor;
+* tokens/s of plain decoding and of speculative decoding at batch 1, 8 and 32, with the
+  acceptance fixed by an oracle at ``--alphas`` (random weights agree with nothing, so a
+  row's accepted count is drawn as the geometric law of α, capped at k; everything else is
+  the real round: k draft steps, one verification pass, argmax, commit, rollbacks);
+* transformers at batch 1 on the same models: plain eager ``generate``, static cache +
+  ``torch.compile`` (CUDA graphs on a GPU), and assisted generation with the draft (whose
+  random weights accept little, so it is the cost of the machinery, not a speedup).
+
+Results are written after every section to ``--out`` (default ``bench/results/gpu.json``,
+``gpu_smoke.json`` with ``--smoke``), so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bench.common import commit, median
+from specdec.runner import ModelRunner
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+TARGET, DRAFT = "llama-3.1-8b", "llama-3.2-1b"
+# --smoke: the same families, tiny (GQA ratio and tying kept).
+SMOKE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "vocab_size": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+SMOKE_LAYERS = {TARGET: 2, DRAFT: 1}
+
+
+def build_model(name: str, device: str, dtype: torch.dtype, smoke: bool):
+    """A random-weight model of config ``name``, built on ``device`` in ``dtype``."""
+    config = AutoConfig.from_pretrained(CONFIGS / name)
+    if smoke:
+        for key, value in {**SMOKE, "num_hidden_layers": SMOKE_LAYERS[name]}.items():
+            setattr(config, key, value)
+    config.dtype = dtype
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Median wall seconds of ``fn()`` (after one warm-up), the device drained each time."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second a device-to-device copy moves (each byte read and written)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, reps=10)
+    return 2 * nbytes / seconds
+
+
+def weight_bytes(model) -> int:
+    """Bytes a forward pass reads of the weights: all but an untied input embedding."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    if embed is not model.get_output_embeddings().weight:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def start_rows(runner: ModelRunner, batch: int, context: int, gen: random.Random) -> list[str]:
+    """``batch`` sequences with a random ``context``-token prompt each, prefilled."""
+    ids = [f"row-{i}" for i in range(batch)]
+    vocab = runner.input_vocab_size
+    for sid in ids:
+        runner.add(sid)
+    runner.forward_padded(
+        ids, [[gen.randrange(vocab) for _ in range(context)] for _ in ids], last_only=True
+    )
+    return ids
+
+
+def pass_ms(runner: ModelRunner, ids: list[str], n: int, reps: int) -> float:
+    """ms of one pass appending ``n`` tokens to every row (rolled back after each)."""
+    lengths = [runner.length(sid) for sid in ids]
+
+    def one():
+        runner.forward_padded(ids, [[1] * n for _ in ids], last_only=n == 1)
+        for sid, length in zip(ids, lengths, strict=True):
+            runner.rollback(sid, length)
+
+    return 1e3 * timed(one, runner.device, reps)
+
+
+def free_rows(*runners: ModelRunner) -> None:
+    for runner in runners:
+        for sid in list(runner.seq_ids):
+            runner.free(sid)
+
+
+def tokens_of(logits: torch.Tensor) -> list:
+    """Greedy choices as Python ints (the one device-to-host read of a step)."""
+    return logits.argmax(dim=-1).tolist()
+
+
+def plain_decode(target: ModelRunner, batch: int, context: int, new_tokens: int, gen) -> float:
+    """Tokens/s of target-only greedy decoding at ``batch`` (prefill not timed)."""
+    ids = start_rows(target, batch, context, gen)
+    last = [[1] for _ in ids]
+    sync(target.device)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        last = [[t] for t in tokens_of(target.forward_padded(ids, last, last_only=True))]
+    sync(target.device)
+    seconds = time.perf_counter() - t0
+    free_rows(target)
+    return batch * new_tokens / seconds
+
+
+class OracleRound:
+    """Speculative rounds over ``batch`` rows with the acceptance drawn by an oracle.
+
+    Both caches hold every committed token but the newest (fed next), as the engine keeps
+    them; the draft also lags by the tokens it has not seen (the k-th draft of a round
+    whose drafts were all accepted)."""
+
+    def __init__(self, target: ModelRunner, draft: ModelRunner, ids: list[str], k: int):
+        self.target, self.draft, self.ids, self.k = target, draft, ids, k
+        self.committed = {sid: [1] * (target.length(sid) + 1) for sid in ids}
+
+    def run(self, alpha: float, rng: random.Random) -> int:
+        """One round; returns the tokens it committed over all rows."""
+        drafts = self._draft()
+        cached = [self.target.length(sid) for sid in self.ids]
+        feeds = [[self.committed[sid][-1], *d] for sid, d in zip(self.ids, drafts, strict=True)]
+        best = tokens_of(self.target.forward_padded(self.ids, feeds))  # [batch, k + 1]
+        committed = 0
+        for sid, d, b, c in zip(self.ids, drafts, best, cached, strict=True):
+            a = 0
+            while a < self.k and rng.random() < alpha:
+                a += 1
+            before = len(self.committed[sid])
+            self.committed[sid] += [*d[:a], b[a]]
+            self.target.rollback(sid, c + 1 + a)
+            self.draft.rollback(sid, before + min(a, self.k - 1))
+            committed += a + 1
+        return committed
+
+    def _draft(self) -> list[list[int]]:
+        """k draft steps: the unseen committed tokens, then each draft."""
+        feeds = [self.committed[sid][self.draft.length(sid) :] for sid in self.ids]
+        drafts: list[list[int]] = [[] for _ in self.ids]
+        for _ in range(self.k):
+            step = tokens_of(self.draft.forward_padded(self.ids, feeds, last_only=True))
+            for row, tok in zip(drafts, step, strict=True):
+                row.append(tok)
+            feeds = [[tok] for tok in step]
+        return drafts
+
+
+def speculative_decode(target, draft, batch, context, new_tokens, k, alpha, gen) -> dict:
+    """Tokens/s of greedy speculative decoding with the oracle's acceptance ``alpha``."""
+    ids = start_rows(target, batch, context, gen)
+    for sid in ids:
+        draft.add(sid)
+    draft.forward_padded(ids, [[1] * context for _ in ids], last_only=True)
+    rounds = math.ceil(new_tokens / ((1 - alpha ** (k + 1)) / (1 - alpha)))
+    spec = OracleRound(target, draft, ids, k)
+    sync(target.device)
+    t0 = time.perf_counter()
+    tokens = sum(spec.run(alpha, gen) for _ in range(rounds))
+    sync(target.device)
+    seconds = time.perf_counter() - t0
+    free_rows(target, draft)
+    return {
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_round_per_row": tokens / (rounds * batch),
+        "ms_per_round": 1e3 * seconds / rounds,
+    }
+
+
+def measure_passes(target, draft, args, gen, bw: float) -> dict:
+    """ms per verification at (batch, k + 1) and per draft step, against their floors."""
+    out: dict = {"verify": {}, "draft_step": {}}
+    weights = {"target": weight_bytes(target.model), "draft": weight_bytes(draft.model)}
+    for batch in args.batches:
+        for name, runner, sizes in (
+            ("verify", target, [k + 1 for k in args.ks]),
+            ("draft_step", draft, [1]),
+        ):
+            ids = start_rows(runner, batch, args.context, gen)
+            kv = batch * args.context * runner.kv_bytes_per_token
+            for n in sizes:
+                ms = pass_ms(runner, ids, n, args.reps)
+                floor = 1e3 * (weights["target" if runner is target else "draft"] + kv) / bw
+                key = f"batch {batch}, {n} positions" if name == "verify" else f"batch {batch}"
+                out[name][key] = {
+                    "ms": round(ms, 4),
+                    "floor_ms": round(floor, 4),
+                    "floor_fraction": round(floor / ms, 4),
+                }
+            free_rows(runner)
+    return out
+
+
+def measure_decoding(target, draft, args, gen) -> dict:
+    """Plain and oracle-speculative tokens/s per batch (k = the largest of ``--ks``)."""
+    k = max(args.ks)
+    out: dict = {}
+    for batch in args.batches:
+        row = {"plain": plain_decode(target, batch, args.context, args.new_tokens, gen)}
+        for alpha in args.alphas:
+            spec = speculative_decode(
+                target, draft, batch, args.context, args.new_tokens, k, alpha, gen
+            )
+            spec["speedup_vs_plain"] = spec["tokens_per_s"] / row["plain"]
+            row[f"alpha {alpha}"] = spec
+        out[f"batch {batch}"] = row
+    return out
+
+
+def transformers_batch1(target_model, draft_model, args, gen) -> dict:
+    """tokens/s of transformers ``generate`` at batch 1: plain eager, assisted, then
+    static cache + torch.compile (last: it compiles the target's forward in place)."""
+    device = target_model.device
+    vocab = target_model.get_input_embeddings().weight.shape[0]
+    prompt = torch.tensor([[gen.randrange(vocab) for _ in range(args.context)]], device=device)
+    n = args.new_tokens
+    kwargs = {
+        "attention_mask": torch.ones_like(prompt),
+        "max_new_tokens": n,
+        "min_new_tokens": n,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+
+    def rate(**extra) -> float:
+        return n / timed(lambda: target_model.generate(prompt, **kwargs, **extra), device, 2)
+
+    out = {"plain_eager": rate(), "assisted": rate(assistant_model=draft_model)}
+    if not args.no_compile:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        target_model.forward = torch.compile(target_model.forward, mode=mode, fullgraph=True)
+        t0 = time.perf_counter()
+        target_model.generate(prompt, **kwargs, cache_implementation="static")
+        out["static_compile_warmup_s"] = time.perf_counter() - t0
+        out["static_compile"] = rate(cache_implementation="static")
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--smoke", action="store_true", help="tiny configs (a CPU check)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3, 5], help="drafts per row")
+    ap.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.8])
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens per row")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-compile", action="store_true", help="skip transformers + compile")
+    args = ap.parse_args(argv)
+    small = args.smoke
+    args.context = args.context or (32 if small else 512)
+    args.new_tokens = args.new_tokens or (16 if small else 128)
+    args.reps = args.reps or (2 if small else 10)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    gen = random.Random(0)
+    name = "gpu_smoke" if args.smoke else "gpu"
+    results: dict = {}
+    t0 = time.perf_counter()
+    models = [build_model(m, args.device, dtype, args.smoke) for m in (TARGET, DRAFT)]
+    results["build_s"] = time.perf_counter() - t0
+    save = _saver(name, vars(args), results)
+    results["bandwidth_gb_s"] = bandwidth(device, (1 << 24) if args.smoke else (1 << 30)) / 1e9
+    save("bandwidth")
+    length = args.context + 3 * args.new_tokens + 16
+    target, draft = (
+        ModelRunner(m, device=args.device, max_num_seqs=max(args.batches), max_model_len=length)
+        for m in models
+    )
+    bw = results["bandwidth_gb_s"] * 1e9
+    results["passes"] = measure_passes(target, draft, args, gen, bw)
+    save("passes")
+    results["decoding"] = measure_decoding(target, draft, args, gen)
+    save("decoding")
+    results["transformers_batch1"] = transformers_batch1(*models, args, gen)
+    path = save("transformers")
+    _plot(results, path.with_suffix(".png"))
+    print(f"wrote {path}")
+
+
+def _saver(name: str, settings: dict, results: dict):
+    """Writes the results so far (JSON, with machine and commit) after each section."""
+    import bench.common
+
+    settings = {**settings, "target": TARGET, "draft": DRAFT, "commit": commit()}
+
+    def save(section: str) -> Path:
+        print(f"[bench.gpu] {section} done")
+        return bench.common.write_result(name, settings, results)
+
+    return save
+
+
+def _plot(results: dict, path: Path) -> None:
+    """Fraction of the floor per pass, and tokens/s per batch (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # a bare GPU machine: the JSON is the result
+        print("[bench.gpu] no matplotlib: no PNG")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    passes = {f"verify {k}": v for k, v in results["passes"]["verify"].items()}
+    passes |= {f"draft {k}": v for k, v in results["passes"]["draft_step"].items()}
+    left.barh(list(passes), [v["floor_fraction"] for v in passes.values()])
+    left.set_xlabel("memory-bound floor / measured (1 = at the floor)")
+    rows = results["decoding"]
+    series = sorted({key for row in rows.values() for key in row})
+    width = 0.8 / len(series)
+    for i, key in enumerate(series):
+        values = [
+            (row[key] if key == "plain" else row[key]["tokens_per_s"]) for row in rows.values()
+        ]
+        right.bar([x + i * width for x in range(len(rows))], values, width, label=key)
+    right.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], list(rows))
+    right.set_ylabel("tokens/s")
+    right.legend()
+    fig.suptitle(f"bench.gpu ({commit()})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
