@@ -56,7 +56,10 @@ class ModelSpec(_Strict):
         default=False, description="Allow model code from the hub; off unless you trust the repo."
     )
     max_model_len: int | None = Field(
-        default=None, ge=16, description="Longest prompt + output; defaults to the model's limit."
+        default=None,
+        ge=16,
+        description="Longest prompt + output; unset: the model's limit, at most 8192 (each KV "
+        "slot holds this many tokens).",
     )
     num_threads: int | None = Field(
         default=None,

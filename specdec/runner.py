@@ -30,6 +30,9 @@ from specdec.kv_manager import SlotTable
 logger = logging.getLogger("specserve.runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What max_model_len is when unset and the model has more positions (as vLLM caps its
+# default by memory, but fixed: the KV budget's arithmetic stays readable).
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class ModelRunner:
@@ -99,7 +102,9 @@ class ModelRunner:
 
     def _served_length(self, model: str, max_model_len: int | None) -> int:
         """The longest sequence served: ``max_model_len``, capped at what the model has
-        positions for (and, under LongRoPE, at its pretraining length)."""
+        positions for (and, under LongRoPE, at its pretraining length); unset, at most
+        :data:`DEFAULT_MAX_MODEL_LEN` (a slot holds that many tokens whether a request
+        uses them or not: Llama 3.1's 131072 would be 16 GiB per 8B sequence)."""
         limit = _context_limit(decoder_config(self.config))
         rope_limit = exact_position_limit(self.config)
         if rope_limit is not None and rope_limit < limit:
@@ -110,6 +115,15 @@ class ModelRunner:
                 rope_limit,
             )
             limit = rope_limit
+        if max_model_len is None and limit > DEFAULT_MAX_MODEL_LEN:
+            logger.info(
+                "%s: max_model_len unset, serving %d of its %d positions (set max_model_len "
+                "for more)",
+                model,
+                DEFAULT_MAX_MODEL_LEN,
+                limit,
+            )
+            return DEFAULT_MAX_MODEL_LEN
         return min(max_model_len or limit, limit)
 
     def _allocate_planned(

@@ -72,11 +72,13 @@ def load_runner(
     for r in (runner, kv_shared_with):
         if r is not None and r.kv_plan is not None:
             logger.info(
-                "KV cache of %s: %.2f GB, %d slots of %d tokens",
+                "KV cache of %s: %d slots x %d tokens (max_model_len) x %d bytes per token "
+                "= %.2f GB",
                 r.model.name_or_path,
-                r.kv_plan.total_bytes / 1e9,
                 r.max_num_seqs,
                 r.max_model_len,
+                r.kv_plan.bytes_per_token,
+                r.kv_plan.total_bytes / 1e9,
             )
     return runner
 

@@ -314,3 +314,29 @@ def test_long_prefills_run_in_chunks_with_the_same_logits(tiny_target):
     assert torch.allclose(
         chunked.forward_padded(list("abc"), nxt), whole.forward_padded(list("abc"), nxt), atol=1e-5
     )
+
+
+def test_max_model_len_defaults_to_at_most_8192(tmp_path, caplog):
+    """A model with 131072 positions (Llama 3.1's) is served up to 8192 unless asked for
+    more: a slot holds max_model_len tokens whatever a request uses. Below 8192 the model's
+    limit stands; an explicit value is taken up to the limit."""
+    import logging
+
+    from specdec.runner import DEFAULT_MAX_MODEL_LEN
+    from tests.conftest import save_tiny_llama
+
+    path = save_tiny_llama(tmp_path, seed=0, layers=1, hidden=32)
+    config = tmp_path / "config.json"
+    config.write_text(
+        config.read_text().replace(
+            '"max_position_embeddings": 512', '"max_position_embeddings": 131072'
+        )
+    )
+    with caplog.at_level(logging.INFO, logger="specserve.runner"):
+        runner = ModelRunner(path, max_num_seqs=1)
+    assert DEFAULT_MAX_MODEL_LEN == 8192 and runner.max_model_len == 8192
+    assert "serving 8192 of its 131072 positions" in caplog.text
+    assert ModelRunner(path, max_num_seqs=1, max_model_len=20000).max_model_len == 20000
+    assert ModelRunner(path, max_num_seqs=1, max_model_len=10**6).max_model_len == 131072
+    small = save_tiny_llama(tmp_path / "small", seed=0, layers=1, hidden=32)
+    assert ModelRunner(small, max_num_seqs=1).max_model_len == 512
