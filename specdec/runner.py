@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, modeling_utils
 
 from specdec.attention import (
     attention_layout,
@@ -30,6 +30,9 @@ from specdec.kv_manager import SlotTable
 logger = logging.getLogger("specserve.runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Whether the models take ``logits_to_keep`` as per-row positions ``[batch, 1]`` (transformers
+# 5.2x's ``slice_logits_to_keep``); before, only positions shared by every row ``[m]``.
+_PER_ROW_LOGITS_TO_KEEP = hasattr(modeling_utils, "slice_logits_to_keep")
 # What max_model_len is when unset and the model has more positions (as vLLM caps its
 # default by memory, but fixed: the KV budget's arithmetic stays readable).
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -380,8 +383,13 @@ class ModelRunner:
             return {}
         if min(plan.ns) == plan.n:
             return {"logits_to_keep": 1}
-        keep = torch.tensor(plan.ns, dtype=torch.long, device=self.device)[:, None] - 1
-        return {"logits_to_keep": keep}  # [batch, 1]
+        if _PER_ROW_LOGITS_TO_KEEP:
+            keep = torch.tensor(plan.ns, dtype=torch.long, device=self.device)[:, None] - 1
+            return {"logits_to_keep": keep}  # [batch, 1]
+        # [m]: every row's last position, for every row (_commit picks each row's own)
+        return {
+            "logits_to_keep": torch.tensor(sorted({n - 1 for n in plan.ns}), device=self.device)
+        }
 
     def _commit(
         self,
@@ -394,8 +402,14 @@ class ModelRunner:
         row order: ``[batch, n, vocab]``, or ``[batch, vocab]`` with ``last_only``."""
         batch = len(plan.slots)
         logits = logits.float()  # [batch, n, vocab] or [batch, 1, vocab]
-        if last_only and logits.shape[1] != 1:  # a model that ignores logits_to_keep
-            last = torch.tensor(plan.ns, device=logits.device) - 1
+        if last_only and logits.shape[1] != 1:
+            # [batch, m, vocab]: every row's last position kept for all rows (transformers
+            # before per-row logits_to_keep), or every position (a model that ignores it)
+            last = [n - 1 for n in plan.ns]
+            if logits.shape[1] != plan.n:
+                column = {pos: i for i, pos in enumerate(sorted(set(last)))}
+                last = [column[pos] for pos in last]
+            last = torch.tensor(last, device=logits.device)
             logits = logits[torch.arange(batch, device=logits.device), last][:, None]
         for row in range(batch):
             self.slots.set_length(seq_ids[plan.order[row]], plan.ends[row])

@@ -340,3 +340,28 @@ def test_max_model_len_defaults_to_at_most_8192(tmp_path, caplog):
     assert ModelRunner(path, max_num_seqs=1, max_model_len=10**6).max_model_len == 131072
     small = save_tiny_llama(tmp_path / "small", seed=0, layers=1, hidden=32)
     assert ModelRunner(small, max_num_seqs=1).max_model_len == 512
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_ragged_last_only_logits_with_either_logits_to_keep_form(runner, monkeypatch, per_row):
+    """Ragged last-only passes give each row the logits after its own last token, whether
+    the models take per-row positions ``[batch, 1]`` (transformers 5.2x) or only positions
+    shared by every row ``[m]`` (5.17, the lent GPU machine's): the same numbers as full
+    logits read at each row's end."""
+    import specdec.runner
+
+    monkeypatch.setattr(specdec.runner, "_PER_ROW_LOGITS_TO_KEEP", per_row)
+    feeds = {"a": [5, 6, 7, 8, 9], "b": [10, 11], "c": [12, 13, 14], "d": [15, 16]}
+    try:
+        for sid in feeds:
+            runner.add(sid)
+        last = runner.forward_padded(list(feeds), list(feeds.values()), last_only=True)
+        for sid in feeds:
+            runner.rollback(sid, 0)
+        full = runner.forward_padded(list(feeds), list(feeds.values()))  # [4, 5, vocab]
+    finally:
+        for sid in feeds:
+            runner.free(sid)
+    ends = [len(f) - 1 for f in feeds.values()]
+    expected = full[torch.arange(len(feeds)), torch.tensor(ends)]
+    torch.testing.assert_close(last, expected, rtol=1e-4, atol=1e-4)
