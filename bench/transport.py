@@ -64,8 +64,8 @@ def _old_item(seq_id, drafts: Drafts) -> tuple:
 
 @ray.remote
 class Core:
-    def push(self, push) -> int:
-        if isinstance(push, bytes):  # the new form is read back as the core does
+    def push(self, push, encoded: bool) -> int:
+        if encoded:  # the new form is read back as the core does
             decode(DraftPush, push)
         return 0
 
@@ -75,10 +75,19 @@ class Draft:
     def __init__(self, core):
         self.core = core
 
-    def push_and_wait(self, push) -> float:
+    def push_and_wait(self, push, encoded: bool) -> float:
         start = time.perf_counter()
-        ray.get(self.core.push.remote(push))
+        ray.get(self.core.push.remote(push, encoded))
         return time.perf_counter() - start
+
+
+def wire_bytes(payload) -> int:
+    """Bytes a payload travels as: the encoded message and its arrays, or a pickle."""
+    if isinstance(payload, bytes):
+        return len(payload)
+    if isinstance(payload, tuple) and isinstance(payload[0], bytes):
+        return len(payload[0]) + sum(a.nbytes for a in payload[1])
+    return len(pickle.dumps(payload, protocol=5))
 
 
 def main() -> None:
@@ -95,19 +104,20 @@ def main() -> None:
     for batch, name in tqdm(cases, desc="transport"):
         drafts = [_drafts(SETTINGS[name], gen) for _ in range(batch)]
         payload = {
-            "old": (0, [_old_item(i, d) for i, d in enumerate(drafts)]),
-            "new": encode(DraftPush(0, [pushed_draft(i, (), d) for i, d in enumerate(drafts)])),
+            "old": (0, [_old_item(f"req-{i}", d) for i, d in enumerate(drafts)]),
+            "new": encode(
+                DraftPush(0, [pushed_draft(f"req-{i}", (), d) for i, d in enumerate(drafts)])
+            ),
         }
         row = {}
         for form, items in payload.items():
-            wire = items if isinstance(items, bytes) else pickle.dumps(items, protocol=5)
-            row[form] = {"bytes_per_round": len(wire)}
+            row[form] = {"bytes_per_round": wire_bytes(items)}
             row[form]["bytes_per_row_round"] = row[form]["bytes_per_round"] / batch
         times = {"old": [], "new": []}
         refs = {form: ray.put(items) for form, items in payload.items()}
         for rep in range(args.reps + 2):  # two warm-ups; forms interleaved, order rotated
             for form in ("old", "new") if rep % 2 else ("new", "old"):
-                t = ray.get(draft.push_and_wait.remote(refs[form]))
+                t = ray.get(draft.push_and_wait.remote(refs[form], form == "new"))
                 if rep >= 2:
                     times[form].append(t)
         for form in times:

@@ -52,6 +52,7 @@ from deployments.messages import (
     PushedDraft,
     RoundFeedback,
     TelemetrySnapshot,
+    Wire,
     decode,
     encode,
 )
@@ -262,7 +263,7 @@ class EngineCore:
         }
 
     @ray.method(concurrency_group="push")
-    def push_drafts(self, push: bytes) -> None:
+    def push_drafts(self, push: Wire) -> None:
         """Drafts from the draft actor: an encoded :class:`DraftPush` (the actor shape
         only: a colocated draft pushes nothing)."""
         if not isinstance(self.link, ActorDraftLink):

@@ -21,6 +21,7 @@ from deployments.messages import (
     DraftRoundMessage,
     DraftWorkerConfig,
     PushedDraft,
+    Wire,
     decode,
     encode,
 )
@@ -106,7 +107,7 @@ class DraftWorker:
         with self._cv:
             self._enqueue(msg)
 
-    def step(self, msg: bytes) -> bytes:
+    def step(self, msg: bytes) -> Wire:
         """The compiled-graph transport's node: an encoded message in, its round's drafts
         out (an encoded :class:`DraftPush`)."""
         msg = decode(DraftRoundMessage, msg)

@@ -1,6 +1,7 @@
 """The round's messages on the wire: what :func:`deployments.messages.encode` writes,
 :func:`decode` reads back as the same named message, field for field (a sampled row's
-``q`` bit for bit), and an object without a wire form is refused, never pickled.
+``q`` bit for bit, its arrays beside the bytes), and an object without a wire form is
+refused, never pickled.
 Pure: no Ray, no model."""
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def test_push_round_trips_q_bit_for_bit(dense):
             PushedDraft("u", DraftStatus.GAVE_UP, (9,)),
         ],
     )
-    back = decode(DraftPush, encode(push))
+    wire = encode(push)
+    data, arrays = wire  # the arrays travel beside the bytes, as they are (no copy)
+    assert isinstance(data, bytes) and arrays and arrays[0] is q.values
+    back = decode(DraftPush, [data, arrays])  # (Ray hands the tuple back as a list)
     row = back.drafts[0]
     assert (row.seq_id, row.status, row.guess, row.token_ids, row.speculative) == (
         "s",
@@ -98,7 +102,8 @@ def test_push_round_trips_q_bit_for_bit(dense):
     assert torch.equal(row.q.weights("cpu"), w)
     assert torch.equal(row.q.head(2).weights("cpu"), w[:2])
     assert back.drafts[1:] == push.drafts[1:]
-    row.q.values[0] = 0  # writable arrays (torch.from_numpy warns on read-only ones)
+    greedy = DraftPush(5, [PushedDraft("s", DraftStatus.DRAFTS, (4,), [1, 2])])
+    assert isinstance(encode(greedy), bytes)  # no array: bytes alone
 
 
 def test_a_tensor_is_refused_not_pickled():
