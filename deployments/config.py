@@ -61,6 +61,13 @@ class ModelSpec(_Strict):
         description="Longest prompt + output; unset: the model's limit, at most 8192 (each KV "
         "slot holds this many tokens).",
     )
+    max_num_batched_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description="Most tokens one prefill pass of this model carries, padding included "
+        "(rows x longest prompt chunk): prompts admitted together run as several passes "
+        "past it, so activation memory stays bounded (as vLLM's max_num_batched_tokens).",
+    )
     num_threads: int | None = Field(
         default=None,
         ge=1,

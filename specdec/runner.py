@@ -67,6 +67,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         prefill_chunk_size: int = 2048,
+        max_num_batched_tokens: int = 8192,
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,
         defer_kv: bool = False,
@@ -91,6 +92,11 @@ class ModelRunner:
         self._mask_dtype = self.model.dtype if impl == "eager" else None
         self.max_model_len = self._served_length(model_name, max_model_len)
         self.prefill_chunk_size = prefill_chunk_size
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        # Tokens one prefill pass may carry, padding included (rows x longest append): a
+        # batch of long prompts runs as several passes, so activations stay bounded.
+        self.max_num_batched_tokens = max_num_batched_tokens
         # Rows of the LM head (logits width) and of the input embedding (ids it can read):
         # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -288,7 +294,10 @@ class ModelRunner:
         counts = [len(t) for t in token_ids]
         if not counts or min(counts) < 1:
             raise ValueError("every sequence must append at least one token")
-        if last_only and max(counts) > self.prefill_chunk_size:
+        if last_only and (
+            max(counts) > self.prefill_chunk_size
+            or len(counts) * max(counts) > self.max_num_batched_tokens
+        ):
             return self._chunked_last(seq_ids, token_ids)
         # Ids and positions are assembled on the host (they come from Python lists) and
         # moved to the model's device in one copy each; nothing uses the default device.
@@ -423,24 +432,30 @@ class ModelRunner:
     def _chunked_last(
         self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]
     ) -> torch.Tensor:
-        """Long appends in chunks of ``prefill_chunk_size`` queries: the masks (and eager
-        attention's scores) grow with queries x keys, so a 128k-token prompt in one pass
-        would need gigabytes for its masks alone. Returns ``[batch, vocab]``; on failure
-        every row is rolled back to where it started."""
-        chunk = self.prefill_chunk_size
+        """Long appends in chunks of ``prefill_chunk_size`` queries (the masks, and eager
+        attention's scores, grow with queries x keys: a 128k-token prompt in one pass would
+        need gigabytes for its masks alone), each chunk's rows in passes of at most
+        ``max_num_batched_tokens`` padded tokens (activations grow with rows x queries).
+        Returns ``[batch, vocab]``; on failure every row is rolled back to where it started."""
+        chunk = min(self.prefill_chunk_size, self.max_num_batched_tokens)
         starts = [self.length(sid) for sid in seq_ids]
         last: list[torch.Tensor | None] = [None] * len(seq_ids)
         try:
             for c0 in range(0, max(len(t) for t in token_ids), chunk):
                 rows = [i for i, t in enumerate(token_ids) if len(t) > c0]
-                logits = self.forward_padded(
-                    [seq_ids[i] for i in rows],
-                    [token_ids[i][c0 : c0 + chunk] for i in rows],
-                    last_only=True,
-                )  # [rows, vocab]
-                for r, i in enumerate(rows):
-                    if len(token_ids[i]) <= c0 + chunk:
-                        last[i] = logits[r]
+                for group in _token_budget_groups(
+                    [min(chunk, len(token_ids[i]) - c0) for i in rows],
+                    self.max_num_batched_tokens,
+                ):
+                    group = [rows[g] for g in group]
+                    logits = self.forward_padded(
+                        [seq_ids[i] for i in group],
+                        [token_ids[i][c0 : c0 + chunk] for i in group],
+                        last_only=True,
+                    )  # [rows in the group, vocab]
+                    for r, i in enumerate(group):
+                        if len(token_ids[i]) <= c0 + chunk:
+                            last[i] = logits[r]
         except BaseException:
             for sid, start in zip(seq_ids, starts, strict=True):
                 self.rollback(sid, start)
@@ -454,6 +469,21 @@ class ModelRunner:
         for sid in seq_ids:
             self.add(sid)
         return self.forward_padded(seq_ids, prompts, last_only=True)
+
+
+def _token_budget_groups(counts: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices of ``counts`` in groups whose padded size (rows x longest
+    count) stays within ``budget``; a count above the budget goes alone."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(counts):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= budget:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups
 
 
 def _load_model(model: str, dtype: torch.dtype, trust_remote_code: bool):

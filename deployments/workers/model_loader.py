@@ -52,6 +52,7 @@ def load_runner(
         device=device,
         max_num_seqs=max_num_seqs,
         max_model_len=spec.max_model_len,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
         trust_remote_code=spec.trust_remote_code,
         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
         kv_cache_memory_fraction=spec.kv_cache_memory_fraction,

@@ -365,3 +365,30 @@ def test_ragged_last_only_logits_with_either_logits_to_keep_form(runner, monkeyp
     ends = [len(f) - 1 for f in feeds.values()]
     expected = full[torch.arange(len(feeds)), torch.tensor(ends)]
     torch.testing.assert_close(last, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_passes_stay_within_the_token_budget(tiny_target):
+    """Prompts admitted together run as passes of at most ``max_num_batched_tokens``
+    padded tokens (rows x longest chunk), counted at the model's own input, and give
+    the same last logits as one unbounded pass."""
+    from specdec.runner import _token_budget_groups
+
+    assert _token_budget_groups([5, 5, 5, 9, 2], 12) == [[0, 1], [2], [3], [4]]
+    assert _token_budget_groups([30, 1, 1], 12) == [[0], [1, 2]]
+    prompts = {f"r{i}": list(range(3 + i, 3 + i + n)) for i, n in enumerate([10, 7, 13, 4, 9])}
+    reference = ModelRunner(tiny_target, max_num_seqs=5)
+    bounded = ModelRunner(tiny_target, max_num_seqs=5, max_num_batched_tokens=16)
+    shapes = []
+    bounded.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    want = reference.prefill(list(prompts), list(prompts.values()))
+    got = bounded.prefill(list(prompts), list(prompts.values()))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert shapes and all(rows * n <= 16 for rows, n in shapes), shapes
+    assert len(shapes) > 1  # 43 tokens over 5 rows: one pass of 5 x 13 would carry 65
+    for sid, prompt in prompts.items():
+        assert bounded.length(sid) == reference.length(sid) == len(prompt)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        ModelRunner(tiny_target, max_num_batched_tokens=0)
