@@ -1,7 +1,7 @@
 """The one-process path on a GPU: what a round costs against the memory-bound floor.
 
     python -m bench.gpu                      # on a GPU machine: Llama-3.1-8B / 3.2-1B shapes
-    python -m bench.gpu --device cpu --smoke # tiny configs, here, in under two minutes
+    python -m bench.gpu --device cpu --smoke # tiny configs, here, in under a minute
 
 Why this exists: speculative decoding pays only when a draft token costs a small fraction
 of a target pass, and whether SpecServe's runner gets there on the hardware users run is a
@@ -13,7 +13,8 @@ depths and vocabulary), in bf16 on the device, and measures with :mod:`specdec`'
 
 * the bandwidth the device really has (a device-to-device copy), and from it the floor of
   each pass: the bytes it must read (weights, less an untied input embedding, which is a
-  gather; plus the KV cache it attends to) over that bandwidth;
+  gather; plus the KV cache it attends to) over that bandwidth (a copy also writes; reads
+  alone may go faster, so a fraction of the floor slightly above 1 is possible);
 * ms per verification pass at (batch, k + 1 positions) and per draft step, each against
   its floor;
 * tokens/s of plain decoding and of speculative decoding at batch 1, 8 and 32, with the
@@ -40,6 +41,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.common import commit, median
+from specdec.kv_cache import check_transformers_version
 from specdec.runner import ModelRunner
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -71,6 +73,7 @@ def build_model(name: str, device: str, dtype: torch.dtype, smoke: bool):
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing must not end before its kernels do)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -130,6 +133,7 @@ def pass_ms(runner: ModelRunner, ids: list[str], n: int, reps: int) -> float:
 
 
 def free_rows(*runners: ModelRunner) -> None:
+    """Free every sequence of the runners (the next measurement starts from empty caches)."""
     for runner in runners:
         for sid in list(runner.seq_ids):
             runner.free(sid)
@@ -276,12 +280,15 @@ def transformers_batch1(target_model, draft_model, args, gen) -> dict:
 
     out = {"plain_eager": rate(), "assisted": rate(assistant_model=draft_model)}
     if not args.no_compile:
+        # gpt-fast's recipe, by hand; generate's own compile of static-cache decoding (on
+        # CUDA) is turned off so that the forward is not compiled twice.
         mode = "reduce-overhead" if device.type == "cuda" else "default"
         target_model.forward = torch.compile(target_model.forward, mode=mode, fullgraph=True)
+        static = {"cache_implementation": "static", "disable_compile": True}
         t0 = time.perf_counter()
-        target_model.generate(prompt, **kwargs, cache_implementation="static")
+        target_model.generate(prompt, **kwargs, **static)
         out["static_compile_warmup_s"] = time.perf_counter() - t0
-        out["static_compile"] = rate(cache_implementation="static")
+        out["static_compile"] = rate(**static)
     return out
 
 
@@ -298,6 +305,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip transformers + compile")
     args = ap.parse_args(argv)
+    if max(args.ks) < 1 or not all(0 < a < 1 for a in args.alphas):
+        ap.error("speculation needs some k >= 1 in --ks and every --alphas in (0, 1)")
     small = args.smoke
     args.context = args.context or (32 if small else 512)
     args.new_tokens = args.new_tokens or (16 if small else 128)
@@ -305,8 +314,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def served_length(args) -> int:
+    """Tokens a row can reach: its context, then at most k + 1 a round for as many rounds
+    as the lowest α's expected acceptance plans (and the plain decode's new tokens)."""
+    k = max(args.ks)
+    rounds = max(math.ceil(args.new_tokens * (1 - a) / (1 - a ** (k + 1))) for a in args.alphas)
+    return args.context + max(rounds * (k + 1), args.new_tokens) + k + 2
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_transformers_version()  # before minutes of model building, not after
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     gen = random.Random(0)
     name = "gpu_smoke" if args.smoke else "gpu"
@@ -317,7 +335,7 @@ def main(argv=None) -> None:
     save = _saver(name, vars(args), results)
     results["bandwidth_gb_s"] = bandwidth(device, (1 << 24) if args.smoke else (1 << 30)) / 1e9
     save("bandwidth")
-    length = args.context + 3 * args.new_tokens + 16
+    length = served_length(args)
     target, draft = (
         ModelRunner(m, device=args.device, max_num_seqs=max(args.batches), max_model_len=length)
         for m in models

@@ -59,7 +59,7 @@ class ModelSpec(_Strict):
         default=None,
         ge=16,
         description="Longest prompt + output; unset: the model's limit, at most 8192 (each KV "
-        "slot holds this many tokens).",
+        "slot holds this many tokens); an unset draft takes the target's value.",
     )
     max_num_batched_tokens: int = Field(
         default=8192,
@@ -335,6 +335,10 @@ class EngineConfig(_Strict):
             raise ValueError("STRICT_SPREAD places draft and target apart; it needs a draft model")
         if self.draft_placement == "colocated":
             self._check_colocated()
+        if self.draft is not None and self.draft.max_model_len is None:
+            # An unset draft serves as far as the target was asked to: left to its own
+            # default (at most 8192), it would stop drafting past it on a longer target.
+            self.draft = self.draft.model_copy(update={"max_model_len": self.target.max_model_len})
         return self
 
     def _check_colocated(self) -> None:

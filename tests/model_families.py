@@ -46,6 +46,18 @@ class Family:
 
 
 _SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+# DeepSeek-V3's attention and experts, tiny: keys of 16 + 8 beside values of 8 (in V3:
+# 128 + 64 beside 128), low-rank q and kv projections.
+_TINY_MLA = {
+    **_SMALL,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "moe_intermediate_size": 32,
+}
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -294,14 +306,7 @@ FAMILIES: dict[str, Family] = {
             {
                 "model_type": "deepseek_v3",
                 "vocab_size": 129280,
-                **_SMALL,
-                "num_key_value_heads": 4,
-                "q_lora_rank": 32,
-                "kv_lora_rank": 16,
-                "qk_nope_head_dim": 16,
-                "qk_rope_head_dim": 8,
-                "v_head_dim": 8,
-                "moe_intermediate_size": 32,
+                **_TINY_MLA,
                 "n_routed_experts": 4,
                 "n_shared_experts": 1,
                 "num_experts_per_tok": 2,
@@ -337,14 +342,7 @@ FAMILIES: dict[str, Family] = {
             {
                 "model_type": "deepseek_v3",
                 "vocab_size": 163840,
-                **_SMALL,
-                "num_key_value_heads": 4,
-                "q_lora_rank": 32,
-                "kv_lora_rank": 16,
-                "qk_nope_head_dim": 16,
-                "qk_rope_head_dim": 8,
-                "v_head_dim": 8,
-                "moe_intermediate_size": 32,
+                **_TINY_MLA,
                 "n_routed_experts": 6,
                 "n_shared_experts": 1,
                 "num_experts_per_tok": 2,

@@ -34,11 +34,11 @@ def token_logprobs(logits, tokens: list[int], top: int | None) -> list[TokenLogp
 
 
 def score_prompt(runner, sid: Hashable, prompt: list[int], top: int) -> tuple[torch.Tensor, list]:
-    """Prefill one prompt in chunks of ``prefill_chunk_size`` and score it: the logits after
-    its last token ([vocab]) and the log-probability of each token after the first. One
-    chunk's logits ([chunk, vocab]) at a time, so a long prompt never materialises
-    [prompt, vocab]."""
-    size = runner.prefill_chunk_size
+    """Prefill one prompt in chunks of ``prefill_chunk_size`` (at most the runner's
+    ``max_num_batched_tokens``) and score it: the logits after its last token ([vocab]) and
+    the log-probability of each token after the first. One chunk's logits ([chunk, vocab])
+    at a time, so a long prompt never materialises [prompt, vocab]."""
+    size = min(runner.prefill_chunk_size, runner.max_num_batched_tokens)
     scored: list = []
     last = None
     for start in range(0, len(prompt), size):

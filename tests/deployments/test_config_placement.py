@@ -206,3 +206,15 @@ def test_a_colocated_draft_has_no_bundle_and_takes_turns():
 def test_colocated_refusals_name_the_field(bad, field):
     with pytest.raises(ValidationError, match=field):
         cfg(draft_placement="colocated", **bad)
+
+
+def test_an_unset_draft_context_follows_the_target():
+    """Left unset, the draft serves as far as the target was asked to (its own default,
+    at most 8192, would stop drafting past it); a draft's own value stands."""
+    longer = {"model": "t", "max_model_len": 32768}
+    cfg = EngineConfig.model_validate({"target": longer, "draft": {"model": "d"}})
+    assert cfg.draft.max_model_len == 32768
+    both_unset = EngineConfig.model_validate({"target": {"model": "t"}, "draft": {"model": "d"}})
+    assert both_unset.draft.max_model_len is None and both_unset.target.max_model_len is None
+    own = {"model": "d", "max_model_len": 4096}
+    assert EngineConfig.model_validate({"target": longer, "draft": own}).draft.max_model_len == 4096
