@@ -289,15 +289,20 @@ def test_transformers_minor_is_the_one_the_slot_cache_was_written_for():
     check refuses other minors with the fix in its message."""
     import transformers
 
-    from specdec.kv_cache import TRANSFORMERS_MINOR, check_transformers_version
+    from specdec.kv_cache import TRANSFORMERS_MINOR, TRANSFORMERS_MINORS, check_transformers_version
 
     check_transformers_version()  # the installed one
     major, minor = TRANSFORMERS_MINOR
-    assert transformers.__version__.startswith(f"{major}.{minor}.")
+    assert any(transformers.__version__.startswith(f"{a}.{b}.") for a, b in TRANSFORMERS_MINORS)
+    assert TRANSFORMERS_MINORS == ((5, 17), (5, 23))  # the pin, and the GPU machine's
     for other in (f"{major}.{minor + 1}.0", f"{major}.{minor - 1}.2", f"{major + 1}.0.0", "dev"):
         with pytest.raises(RuntimeError, match=rf"install transformers=={major}\.{minor}\.\*"):
             check_transformers_version(other)
+    for other in ("5.16.1", "5.18.0"):
+        with pytest.raises(RuntimeError, match=r"tested on 5\.17\.x, 5\.23\.x"):
+            check_transformers_version(other)
     check_transformers_version(f"{major}.{minor}.9")
+    check_transformers_version("5.17.0")
 
 
 def test_long_prefills_run_in_chunks_with_the_same_logits(tiny_target):
@@ -350,6 +355,8 @@ def test_ragged_last_only_logits_with_either_logits_to_keep_form(runner, monkeyp
     logits read at each row's end."""
     import specdec.runner
 
+    if per_row and not specdec.runner._PER_ROW_LOGITS_TO_KEEP:
+        pytest.skip("this transformers takes no per-row logits_to_keep (5.17)")
     monkeypatch.setattr(specdec.runner, "_PER_ROW_LOGITS_TO_KEEP", per_row)
     feeds = {"a": [5, 6, 7, 8, 9], "b": [10, 11], "c": [12, 13, 14], "d": [15, 16]}
     try:
