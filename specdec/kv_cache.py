@@ -88,13 +88,6 @@ class _SlotLayer(CacheLayerMixin):
         shape = (self.owner.num_slots, heads, self.owner.capacity, dim)
         return torch.zeros(shape, dtype=states.dtype, device=states.device)
 
-    def allocate(self) -> None:
-        """(Re)allocate at the owner's slot count and capacity, zeroed: a masked-out key
-        must never be NaN, which uninitialised memory can be."""
-        if self.is_initialized:
-            self.keys = self._zeros_like(self.keys)
-            self.values = self._zeros_like(self.values)
-
     def bytes_per_token(self) -> int:
         if not self.is_initialized:
             return 0
@@ -139,9 +132,15 @@ class _SlotLayer(CacheLayerMixin):
         return self.owner.capacity
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """This layer alone (one left out of the owner's stacks: initialised after them)."""
         if self.is_initialized and length > 0:
             self.keys[dst, :, :length] = self.keys[src, :, :length]
             self.values[dst, :, :length] = self.values[src, :, :length]
+
+    def shape_key(self) -> tuple:
+        """Layers with equal keys and values layouts share one stacked tensor."""
+        k, v = self.keys, self.values
+        return (k.shape[1], k.shape[3], v.shape[1], v.shape[3], k.dtype, v.dtype, k.device)
 
 
 class SlotKVCache(Cache):
@@ -151,7 +150,11 @@ class SlotKVCache(Cache):
         self.num_slots = num_slots
         self.capacity = capacity
         self.layout: BatchLayout | None = None
+        # (keys [layers, slots, heads, capacity, head_dim], values likewise) per layout: every
+        # layer's tensors are views of its stack, so a slot copy is one op per stack.
+        self._stacks: list[tuple[torch.Tensor, torch.Tensor]] = []
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+        self._loose = list(self.layers)  # layers in no stack (copied one by one)
 
     @property
     def scratch_position(self) -> int:
@@ -159,16 +162,39 @@ class SlotKVCache(Cache):
         return self.capacity - 1
 
     def allocate(self, num_slots: int, capacity: int) -> None:
-        """Size every layer's tensors for good (done once, after the probe forward)."""
+        """Size every layer's tensors for good (done once, after the probe forward), zeroed
+        (a masked-out key must never be NaN, which uninitialised memory can be), as views of
+        one stacked tensor per layout that the layers share."""
         self.num_slots, self.capacity = num_slots, capacity
+        groups: dict[tuple, list[_SlotLayer]] = {}
         for layer in self.layers:
-            layer.allocate()
+            if layer.is_initialized:
+                groups.setdefault(layer.shape_key(), []).append(layer)
+        self._stacks = []
+        for members in groups.values():
+            k, v = members[0].keys, members[0].values
+            for layer in members:  # the probe's tensors go before the stacks come
+                layer.keys = layer.values = None
+            keys = k.new_zeros((len(members), num_slots, k.shape[1], capacity, k.shape[3]))
+            values = v.new_zeros((len(members), num_slots, v.shape[1], capacity, v.shape[3]))
+            for i, layer in enumerate(members):
+                layer.keys, layer.values = keys[i], values[i]
+            self._stacks.append((keys, values))
+        stacked = {id(layer) for members in groups.values() for layer in members}
+        self._loose = [layer for layer in self.layers if id(layer) not in stacked]
 
     def bytes_per_token(self) -> int:
         """Keys and values of one token over every layer (known after the first forward)."""
         return sum(layer.bytes_per_token() for layer in self.layers)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions (the live tokens) of slot ``src`` to ``dst``."""
-        for layer in self.layers:
+        """Copy the first ``length`` positions (the live tokens) of slot ``src`` to ``dst``:
+        one op per stack over all its layers (a fork or a free on a 32-layer model is two
+        kernels, not 64)."""
+        if length <= 0:
+            return
+        for keys, values in self._stacks:
+            keys[:, dst, :, :length] = keys[:, src, :, :length]
+            values[:, dst, :, :length] = values[:, src, :, :length]
+        for layer in self._loose:
             layer.copy_slot(src, dst, length)

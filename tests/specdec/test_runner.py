@@ -399,3 +399,36 @@ def test_prefill_passes_stay_within_the_token_budget(tiny_target):
         assert bounded.length(sid) == reference.length(sid) == len(prompt)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         ModelRunner(tiny_target, max_num_batched_tokens=0)
+
+
+def test_a_slot_copy_is_one_op_per_layout_over_all_layers(runner):
+    """Fork and free copy live tokens across every layer at once: the layers' keys and
+    values are views of one stacked tensor, and the forked row continues exactly as its
+    source does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+
+    layers = runner.cache.layers
+    assert (
+        len(layers) > 1 and len({layer.keys.untyped_storage().data_ptr() for layer in layers}) == 1
+    )
+    runner.add("src")
+    try:
+        runner.forward(["src"], [[5, 6, 7, 8]])
+        with Copies() as copies:
+            runner.fork("src", "dst")
+        assert copies.count == 2  # keys and values, all layers in one op each
+        a, b = runner.forward(["src", "dst"], [[9], [9]])
+        torch.testing.assert_close(a, b)
+    finally:
+        for sid in ("src", "dst"):
+            if runner.holds(sid):
+                runner.free(sid)
