@@ -8,7 +8,8 @@ What runs, per module (each a few seconds on 2 cores):
 * ``bench.pair``: ``main`` with one prompt per domain, 4 tokens, 2 timing reps;
 * ``bench.heldout``: its prompt sources (pure);
 * ``bench.ttft``: its in-process part, the target's prefill time (``prefill_ms``);
-* ``bench.gpu``: ``--device cpu --smoke`` at batch 1 and 8 (tiny configs, ~25 s).
+* ``bench.gpu``: ``--device cpu --smoke`` at batch 1 and 8 (tiny configs, ~25 s);
+* ``bench.syncs``: the engine core in process at batch 1 (demo pair, ~10 s).
 
 Imported (and their config builders validated against ``deployments.config``) but not
 run: ``bench.pipeline`` and ``bench.telemetry`` start Ray actors; ``bench.http`` needs a
@@ -185,3 +186,14 @@ def test_gpu_smoke_on_cpu(results, monkeypatch):
         "static_compile_warmup_s",
     }
     assert all(x > 0 for x in numbers(out))
+
+
+def test_syncs_smallest(results, monkeypatch):
+    """The core's own loop at batch 1 counts host reads in every round, greedy and sampled
+    (a sampled round reads more: its q and its draws), with the lines responsible."""
+    out = run_main(monkeypatch, "bench.syncs", ["--batches", "1"], results, "syncs")["results"]
+    greedy, sampled = out["batch 1, greedy"], out["batch 1, sampled"]
+    for row in (greedy, sampled):
+        assert row["rounds"] > 0 and row["syncs_per_round_median"] > 0
+        assert all(site.split(":")[0].endswith(".py") for site in row["top_sites_per_round"])
+    assert sampled["syncs_per_round_median"] > greedy["syncs_per_round_median"]

@@ -262,6 +262,15 @@ class EngineCore:
             ),
         }
 
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        """End the loop once it is idle (a core used in process, as ``bench.syncs`` does;
+        an actor simply dies)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
     @ray.method(concurrency_group="push")
     def push_drafts(self, push: Wire) -> None:
         """Drafts from the draft actor: an encoded :class:`DraftPush` (the actor shape
@@ -307,6 +316,8 @@ class EngineCore:
         while not self._stopped:
             with self._cv:
                 while not (sched.running or self._new or self._aborts or sched.waiting):
+                    if self._stopped:
+                        return
                     self._cv.wait()
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, set()
