@@ -208,8 +208,11 @@ class SpeculativeDrafter:
         if fresh:
             k = max(ks[i] for i in fresh)
             prop = self.proposer.propose([self.seqs[seq_ids[i]] for i in fresh], k, self.top_m)
-            for row, i in enumerate(fresh):
-                results[i] = _drafts_of(prop, row, ks[i], self.seqs[seq_ids[i]].params)
+            params = [self.seqs[seq_ids[i]].params for i in fresh]
+            for i, drafts in zip(
+                fresh, _drafts_of(prop, [ks[i] for i in fresh], params), strict=True
+            ):
+                results[i] = drafts
         for i, sid in enumerate(seq_ids):
             if ks[i] > 0:
                 self._k[sid] = ks[i]
@@ -268,8 +271,8 @@ class SpeculativeDrafter:
             self._free_states(states)
             return None
         branches = []
-        for row, (state, sid, guess) in enumerate(zip(states, parents, guesses, strict=True)):
-            drafts = _drafts_of(prop, row, ks[row], state.params)
+        every = _drafts_of(prop, ks, [state.params for state in states])
+        for state, sid, guess, drafts in zip(states, parents, guesses, every, strict=True):
             drafts.speculative = True
             br = Branch(sid, guess, state, drafts)
             self._branches.setdefault(sid, []).append(br)
@@ -346,14 +349,17 @@ class SpeculativeDrafter:
             self.proposer.free(st.seq_id)
 
 
-def _drafts_of(prop, row: int, n: int, params: SamplingParams) -> Drafts:
-    n = min(n, int(prop.num_draft_tokens[row]))  # a row may have stopped early
-    return Drafts(
-        prop.draft_token_ids[row, :n].tolist(),
-        None if params.is_greedy else prop.q(row)[:n].clone(),
-        prop.top_token_ids[row, :n],
-        prop.top_probs[row, :n],
-    )
+def _drafts_of(prop, ks: list[int], params: list[SamplingParams]) -> list[Drafts]:
+    """Each proposal row's first ``ks[row]`` drafts (fewer where it stopped early), read to
+    the host in two reads for the whole proposal, not two per row (each a device sync)."""
+    counts = prop.num_draft_tokens.tolist()  # [rows]
+    ids = prop.draft_token_ids.tolist()  # [rows, k]
+    out = []
+    for row, (k, p) in enumerate(zip(ks, params, strict=True)):
+        n = min(k, counts[row])
+        q = None if p.is_greedy else prop.q(row)[:n].clone()
+        out.append(Drafts(ids[row][:n], q, prop.top_token_ids[row, :n], prop.top_probs[row, :n]))
+    return out
 
 
 def _rejections_at(
