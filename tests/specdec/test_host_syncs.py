@@ -31,7 +31,8 @@ def test_reads_are_counted_by_kind_and_line():
         "numpy": 1,
     }
     assert counter.total == 6
-    assert all(site.startswith("tests/specdec/test_host_syncs.py:") for site in counter.by_site), counter.by_site
+    here = "tests/specdec/test_host_syncs.py:"
+    assert all(site.startswith(here) for site in counter.by_site), counter.by_site
     assert len(counter.by_site) == 6
 
 
