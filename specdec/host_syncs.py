@@ -74,9 +74,14 @@ def _to_host(func, args, kwargs) -> bool:
     return target is not None and torch.device(target).type == "cpu"
 
 
+_DEVICE_TYPES = {"cpu", "cuda", "mps", "xpu", "meta"}
+
+
 def _is_device(arg) -> bool:
-    return isinstance(arg, torch.device) or (isinstance(arg, str) and arg.split(":")[0] in {
-        "cpu", "cuda", "mps", "xpu", "meta"})  # fmt: skip
+    """Whether a positional argument of ``Tensor.to`` names a device (not a dtype)."""
+    if isinstance(arg, torch.device):
+        return True
+    return isinstance(arg, str) and arg.split(":")[0] in _DEVICE_TYPES
 
 
 def _caller() -> str:

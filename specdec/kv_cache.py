@@ -172,9 +172,7 @@ class SlotKVCache(Cache):
                 groups.setdefault(layer.shape_key(), []).append(layer)
         self._stacks = []
         for members in groups.values():
-            k, v = members[0].keys, members[0].values
-            for layer in members:  # the probe's tensors go before the stacks come
-                layer.keys = layer.values = None
+            k, v = members[0].keys, members[0].values  # the probe's (replaced below)
             keys = k.new_zeros((len(members), num_slots, k.shape[1], capacity, k.shape[3]))
             values = v.new_zeros((len(members), num_slots, v.shape[1], capacity, v.shape[3]))
             for i, layer in enumerate(members):
