@@ -6,7 +6,8 @@ in one batch. Like gpt-fast's static cache, each sequence here owns a *slot* (a 
 preallocated ``[slots, kv_heads, capacity, head_dim]`` tensor per layer for keys, and one
 for values, whose head size may differ) and a length; rollback is a length change, and new
 positions are written at each row's own offset.
-Attention reads only up to each row's length through a 4D mask built by the runner.
+Attention reads only up to each row's length: the runner tells the attention function
+where each row's queries sit (:mod:`specdec.row_attention`), or builds 4-D masks.
 
 The tensors are allocated once, when the runner knows its slot count from the memory
 budget (:mod:`specdec.kv_budget`), with ``capacity = max_model_len + 1``: the last

@@ -26,6 +26,7 @@ from specdec.attention import (
 from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, plan_slots
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 from specdec.kv_manager import SlotTable
+from specdec.row_attention import ROW_ATTENTION, ROW_SPANS_KWARG, RowAttentionUnavailable, RowSpans
 
 logger = logging.getLogger("specserve.runner")
 
@@ -48,6 +49,9 @@ class ModelRunner:
     Sliding-window layers get their window in every mask the runner builds
     (:mod:`specdec.attention`); a config with layer types it cannot mask raises
     :class:`specdec.attention.UnsupportedModelError` before any weight is loaded.
+    ``attention_backend="rows"`` (the default) runs an SDPA model's attention by row
+    positions (:mod:`specdec.row_attention`: no repeat_kv, masks only where needed); the
+    probe at load falls back to ``"masks"`` (4-D masks, the reference) where it cannot.
 
     The KV cache is allocated once, here: ``max_num_seqs`` slots of ``max_model_len``
     tokens, or fewer when the budget (``kv_cache_memory_bytes``, or
@@ -72,6 +76,7 @@ class ModelRunner:
         kv_cache_memory_fraction: float | None = None,
         defer_kv: bool = False,
         kv_shared_with: ModelRunner | None = None,
+        attention_backend: str = "rows",
     ):
         check_transformers_version()
         if dtype not in _DTYPES:
@@ -87,9 +92,19 @@ class ModelRunner:
             model_name = type(model).__name__
         self.model = model.to(self.device)
         self.model.eval()
+        if attention_backend not in ("rows", "masks"):
+            raise ValueError(
+                f"attention_backend must be 'rows' or 'masks', got {attention_backend!r}"
+            )
         # Eager attention adds the mask to its scores; SDPA takes a boolean one.
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         self._mask_dtype = self.model.dtype if impl == "eager" else None
+        # Attention by row positions (specdec.row_attention) where the model runs SDPA;
+        # the probe below falls back to 4-D masks if the model cannot.
+        self._row_attention = attention_backend == "rows" and impl == "sdpa"
+        self._last_spans: RowSpans | None = None  # the last pass's (the probe checks it)
+        if self._row_attention:
+            self.model.set_attn_implementation(ROW_ATTENTION)
         self.max_model_len = self._served_length(model_name, max_model_len)
         self.prefill_chunk_size = prefill_chunk_size
         if max_num_batched_tokens < 1:
@@ -171,7 +186,19 @@ class ModelRunner:
         self.slots = SlotTable(1)
         self.add("kv-probe")
         try:
-            self.forward_padded(["kv-probe"], [[0]], last_only=True)
+            try:
+                self.forward_padded(["kv-probe"], [[0]], last_only=True)
+                if self._row_attention and self._last_spans.calls != self.attention.num_layers:
+                    raise RowAttentionUnavailable(
+                        f"{self._last_spans.calls} of {self.attention.num_layers} layers "
+                        "attended by row positions"
+                    )
+            except RowAttentionUnavailable as exc:
+                logger.info("attention by 4-D masks (SDPA): %s", exc)
+                self.model.set_attn_implementation("sdpa")
+                self._row_attention = False
+                self.cache = SlotKVCache(self.attention.num_layers, num_slots=1, capacity=2)
+                self.forward_padded(["kv-probe"], [[0]], last_only=True)
         finally:
             self.free("kv-probe")
         self.slots = SlotTable(0)
@@ -304,7 +331,7 @@ class ModelRunner:
         plan = self._plan_rows(seq_ids, counts)
         input_ids = _input_ids(token_ids, plan)  # [batch, n] int64, on the host
         position_ids, write_positions = self._positions(plan)  # [batch, n] each
-        mask = self._mask(plan, position_ids)
+        attention = self._attention_args(plan, position_ids)
         dev = self.device
         first, batch = plan.slots[0], len(plan.slots)
         contiguous = plan.slots == list(range(first, first + batch))
@@ -319,8 +346,8 @@ class ModelRunner:
             out = self.model(
                 input_ids=input_ids.to(dev),
                 position_ids=position_ids,
-                attention_mask=mask,
                 past_key_values=self.cache,
+                **attention,
                 use_cache=True,
                 **self._logits_to_keep(plan, last_only),
             )
@@ -373,6 +400,15 @@ class ModelRunner:
         padded = position_ids >= end_t  # [batch, n]
         position_ids = torch.minimum(position_ids, end_t - 1)
         return position_ids, position_ids.masked_fill(padded, self.cache.scratch_position)
+
+    def _attention_args(self, plan: _RowPlan, position_ids: torch.Tensor) -> dict:
+        """The model's keyword arguments that say what each query attends to: the rows'
+        positions for attention by rows, else the 4-D masks (:meth:`_mask`)."""
+        if self._row_attention:
+            spans = RowSpans(self.attention, position_ids, plan.kv_len, plan.same_start)
+            self._last_spans = spans
+            return {"attention_mask": spans.model_mask(), ROW_SPANS_KWARG: spans}
+        return {"attention_mask": self._mask(plan, position_ids)}
 
     def _mask(self, plan: _RowPlan, position_ids: torch.Tensor) -> torch.Tensor | None:
         """The attention masks of the pass (:func:`specdec.attention.build_masks`), or None
@@ -488,8 +524,8 @@ def _token_budget_groups(counts: list[int], budget: int) -> list[list[int]]:
 
 def _load_model(model: str, dtype: torch.dtype, trust_remote_code: bool):
     """The model with SDPA attention, or eager where the family has no SDPA path (Gemma 2:
-    SDPA cannot soft-cap attention scores). Both take the runner's 4-D masks; flash
-    attention ignores them, so it is never chosen."""
+    SDPA cannot soft-cap attention scores). The runner then switches an SDPA model to
+    attention by row positions where it can; eager attention takes its 4-D masks."""
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     try:
         return AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", **kwargs)

@@ -1,0 +1,141 @@
+"""Attention by row positions: the runner's attention function for transformers models.
+
+Why not hand the model 4-D masks (the reference path, :func:`specdec.attention.build_masks`):
+transformers turns grouped-query SDPA off whenever a mask is given, so every layer of a
+verification or prefill pass copies keys and values out to every query head (``repeat_kv``:
+4x the KV traffic for Llama 3's 32 query / 8 KV heads), and SDPA's flash kernels refuse any
+mask. Here the runner passes, per forward, where each row's queries sit (:class:`RowSpans`),
+and this function, registered with transformers' ``AttentionInterface`` as
+:data:`ROW_ATTENTION`, decides per layer type:
+
+- no mask where each query reads exactly its own prefix: one query per row at a common end
+  (decode), or a pass from position 0 with no padding (prefill), SDPA's own causal flag;
+- else a boolean mask built from the row positions, once per layer type per pass, on the
+  model's device, never through the model's mask code;
+- grouped-query attention through SDPA's ``enable_gqa``: keys and values are read in place.
+
+A model whose attention SDPA cannot compute (soft-capped scores, attention sinks), that
+does not pass the runner's arguments down to its attention, or that changes the mask it is
+given raises :class:`RowAttentionUnavailable`; the runner then keeps the reference path
+for it. Run without :class:`RowSpans`, the function is transformers' SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from specdec.attention import SLIDING, AttentionLayout, build_masks
+
+ROW_ATTENTION = "specserve_rows"  # the name models are switched to
+ROW_SPANS_KWARG = "specserve_row_spans"  # the forward keyword that carries RowSpans
+
+
+class RowAttentionUnavailable(RuntimeError):
+    """This model cannot run attention by row positions; the message says why."""
+
+
+@dataclass
+class RowSpans:
+    """Where one forward pass's queries sit, shared by every layer of the pass.
+
+    ``query_positions`` is what the runner gives the model as ``position_ids`` (a row's
+    padded queries repeat its last real position, so they read what it reads); the
+    masks built from it are kept per layer type for the pass's other layers.
+    """
+
+    layout: AttentionLayout
+    query_positions: torch.Tensor  # [batch | 1, n] int64 absolute positions, model's device
+    kv_len: int  # keys every row's attention is given: cache positions [0, kv_len)
+    same_start: bool  # every row's first query sits at the same position
+    # What the runner passes as the model's attention_mask: an empty 4-D tensor, which
+    # transformers hands to every layer untouched (it builds no mask of its own then).
+    no_mask: torch.Tensor | dict[str, torch.Tensor] = field(init=False, repr=False)
+    calls: int = field(default=0, init=False)  # layers that attended by these spans
+    _masks: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        empty = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=self.query_positions.device)
+        self.no_mask = empty
+
+    def model_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The model's ``attention_mask`` argument: :attr:`no_mask` for every layer type."""
+        if self.layout.keyed:
+            return {t: self.no_mask for t in set(self.layout.layer_types)}
+        return self.no_mask
+
+    def mask(self, layer_type: str) -> tuple[torch.Tensor | None, bool]:
+        """``(mask, is_causal)`` for SDPA in a layer of ``layer_type``: mask
+        ``[batch | 1, 1, n, kv_len]`` bool (True = may attend), or None with
+        ``is_causal`` telling SDPA to mask the upper triangle itself."""
+        n = self.query_positions.shape[-1]
+        within_window = layer_type != SLIDING or self.kv_len <= self.layout.sliding_window
+        if self.same_start and within_window:
+            if n == 1:  # one query per row at the common end: every key is its prefix
+                return None, False
+            if n == self.kv_len:  # from position 0, no padding: plain causal
+                return None, True
+        if layer_type not in self._masks:
+            rows = self.query_positions[:1] if self.same_start else self.query_positions
+            masks = build_masks(self.layout, rows, self.kv_len)
+            self._masks[layer_type] = masks[layer_type] if isinstance(masks, dict) else masks
+        return self._masks[layer_type], False
+
+
+def row_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """SDPA over ``query [b, heads, n, d]``, ``key [b, kv_heads, kv_len, d]`` and
+    ``value [b, kv_heads, kv_len, dv]``; returns ``[b, n, heads, dv]`` as transformers'
+    attention functions do (no attention weights).
+
+    Called without :class:`RowSpans` (a caller running the model itself, as the tests'
+    references do), it is transformers' SDPA with the masks transformers built."""
+    spans = kwargs.pop(ROW_SPANS_KWARG, None)
+    if spans is None:
+        if attention_mask is not None and attention_mask.numel() == 0:
+            raise RowAttentionUnavailable(
+                f"{type(module).__name__} does not pass the forward's keyword arguments to "
+                "its attention function"
+            )
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise RowAttentionUnavailable(f"{type(module).__name__} attends with {name}")
+    if attention_mask is not spans.no_mask:
+        raise RowAttentionUnavailable(f"{type(module).__name__} changes the attention mask")
+    layer_idx = getattr(module, "layer_idx", None)
+    if not isinstance(layer_idx, int) or not 0 <= layer_idx < spans.layout.num_layers:
+        raise RowAttentionUnavailable(f"{type(module).__name__} has no usable layer_idx")
+    spans.calls += 1
+    mask, is_causal = spans.mask(spans.layout.layer_types[layer_idx])
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=is_causal,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )  # [b, heads, n, dv]
+    return out.transpose(1, 2).contiguous(), None
+
+
+# Without RowSpans the models get transformers' own SDPA masks, so the name behaves as "sdpa".
+AttentionInterface.register(ROW_ATTENTION, row_attention)
+AttentionMaskInterface.register(ROW_ATTENTION, sdpa_mask)
