@@ -2,7 +2,7 @@
 
 For vocabulary 128256 and k = 5, at batch 1 and 32, greedy, T = 1 and top-p 0.9, this
 builds the round's push exactly as the draft worker does (a
-:class:`deployments.messages.DraftPush` of ``pushed_draft`` rows: token ids, and for sampled
+:class:`deployments.messages.DraftPush` of ``pushed_drafts`` rows: token ids, and for sampled
 rows ``q``) in the old form (float32 ``[k, vocab]`` numpy per sampled row)
 and the new one (:class:`specdec.qcodec.CompactQ`, encoded as the worker sends it:
 :func:`deployments.messages.encode`), measures its size on the wire, and times
@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from bench.common import RESULTS, median, write_result
 from deployments.messages import DraftPush, decode, encode
-from deployments.workers.drafting import pushed_draft
+from deployments.workers.drafting import pushed_drafts
 from specdec.qcodec import quantize_q
 from specdec.sampling import SamplingParams, probs_for
 from specdec.speculation_cache import Drafts
@@ -106,7 +106,7 @@ def main() -> None:
         payload = {
             "old": (0, [_old_item(f"req-{i}", d) for i, d in enumerate(drafts)]),
             "new": encode(
-                DraftPush(0, [pushed_draft(f"req-{i}", (), d) for i, d in enumerate(drafts)])
+                DraftPush(0, pushed_drafts([(f"req-{i}", (), d) for i, d in enumerate(drafts)]))
             ),
         }
         row = {}

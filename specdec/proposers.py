@@ -37,6 +37,10 @@ class Proposal:
     top_token_ids: torch.Tensor | None = None  # [batch, k, m] int64
     top_probs: torch.Tensor | None = None  # [batch, k, m] float32
     probs_rows: tuple[int, ...] = ()  # the batch row of each draft_probs row
+    # The same drafts already read to the host (one read for the batch), when the
+    # proposer made them: consumers take these instead of reading the tensors again.
+    host_num_draft_tokens: list[int] | None = None  # [batch]
+    host_draft_token_ids: list[list[int]] | None = None  # [batch][k]
 
     def q(self, row: int) -> torch.Tensor | None:
         """Batch row ``row``'s q (``[k, vocab]`` float16 weights), None for a greedy row."""
@@ -167,12 +171,36 @@ class DraftModelProposer(Proposer):
         run = self._start(seqs, k, top_m)
         for i in range(k):
             if should_stop is not None and should_stop():
+                self._read_drafts(run)  # what was fed stays cached
                 return None
             if not self._step(run, i):
                 break
+        counts, drafts = self._read_drafts(run)
         return Proposal(
-            run.draft, run.counts, run.probs, self.kind, run.top_ids, run.top_p, run.probs_rows
+            run.draft,
+            run.counts,
+            run.probs,
+            self.kind,
+            run.top_ids,
+            run.top_p,
+            run.probs_rows,
+            host_num_draft_tokens=counts,
+            host_draft_token_ids=drafts,
         )
+
+    def _read_drafts(self, run: _Drafting) -> tuple[list[int], list[list[int]]]:
+        """The drafts and their counts on the host, in one read for the whole batch (the
+        steps fed each other on the device); records what the draft's cache now holds:
+        each row's first feed, then every draft it was fed (all but its last)."""
+        host = torch.cat([run.counts[:, None], run.draft], dim=1).tolist()  # [batch, 1 + k]
+        counts = [row[0] for row in host]
+        drafts = [row[1:] for row in host]
+        if run.steps:
+            for r, sid in enumerate(run.ids):
+                fed = max(0, min(counts[r], run.steps) - 1)
+                self._cached[sid].extend(run.first_feed[r])
+                self._cached[sid].extend(drafts[r][:fed])
+        return counts, drafts
 
     def _start(self, seqs: Sequence[SequenceState], k: int, top_m: int) -> _Drafting:
         """A proposal's buffers, on the draft model's device, and each row's first feed
@@ -198,62 +226,67 @@ class DraftModelProposer(Proposer):
                 else None
             ),
             probs_rows=probs_rows,
-            probs_row={r: i for i, r in enumerate(probs_rows)},
             top_ids=torch.zeros(batch, k, top_m, dtype=torch.long, device=dev) if top_m else None,
             top_p=torch.zeros(batch, k, top_m, device=dev) if top_m else None,
-            feed=[self._sync(s) for s in seqs],
-            active=list(range(batch)),
+            first_feed=[self._sync(s) for s in seqs],
             history={r: [] for r in range(batch) if needs_history(params[r])},
         )
 
     def _step(self, run: _Drafting, i: int) -> bool:
-        """Draft position ``i`` of every active row (one forward pass of the draft);
-        False when no row is left drafting."""
-        dev, active = self.runner.device, run.active
-        rows = slice(None) if len(active) == len(run.seqs) else torch.tensor(active, device=dev)
-        logits = self._logits([run.ids[r] for r in active], [run.feed[r] for r in active])
-        # logits: [active, vocab_limit]
+        """Draft position ``i`` of every row (one forward pass of the draft). Step
+        ``i`` > 0 feeds the tokens of step ``i - 1`` straight from the device: nothing is
+        read back unless a row's penalties need it. Every row runs every step (rows the
+        confidence stop ended are cut to their count when the drafts are read)."""
+        if i == 0:
+            logits = self._logits(run.ids, run.first_feed)
+        else:
+            logits = self._logits_after(run.ids, run.draft[:, i - 1])
+        # logits: [batch, vocab_limit]
         if run.history:  # penalties / min_tokens given the output and the drafts so far
             logits = _with_draft_history(logits, run)
         top_m = run.top_m
         lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
         if top_m:  # the likeliest token heads the top-m: no separate argmax
-            run.top_ids[rows, i], run.top_p[rows, i] = _top(logits, top_m, lse)  # [active, m]
-            tokens = run.top_ids[rows, i, 0].clone()  # [active]; replaced on sampled rows
+            run.top_ids[:, i], run.top_p[:, i] = _top(logits, top_m, lse)  # [batch, m]
+            tokens = run.top_ids[:, i, 0].clone()  # [batch]; replaced on sampled rows
         else:
             tokens = logits.argmax(dim=-1)
         self._sample_rows(run, i, logits, tokens)
-        run.draft[rows, i] = tokens
-        for r in active:
-            self._cached[run.ids[r]].extend(run.feed[r])
-        for r, t in zip(active, tokens.tolist(), strict=True):
-            run.feed[r] = [t]
-            if r in run.history:
-                run.history[r].append(t)
+        run.draft[:, i] = tokens
+        run.steps = i + 1
+        if run.history:  # the rows' penalties need this step's tokens on the host
+            for r, t in enumerate(tokens.tolist()):
+                if r in run.history:
+                    run.history[r].append(t)
         if self.min_confidence and i + 1 < run.k:
-            return self._confidence_stop(run, i, logits, lse, tokens)
+            self._confidence_stop(run, i, logits, lse, tokens)
         return True
+
+    def _logits_after(self, ids: list[Hashable], tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`_logits` of one token per row, given as ``[rows]`` ids on the device."""
+        rows = self.runner.input_vocab_size
+        if self.vocab_limit > rows:  # an id the embedding has no row for is fed as 0
+            tokens = torch.where(tokens < rows, tokens, torch.zeros_like(tokens))
+        logits = self.runner.forward_padded(ids, tokens[:, None], last_only=True)
+        return logits[:, : self.vocab_limit]
 
     def _sample_rows(
         self, run: _Drafting, i: int, logits: torch.Tensor, tokens: torch.Tensor
     ) -> None:
-        """Sample position ``i`` of the active rows that are not greedy from their q (the
-        sampling transform of ``logits``, ``[active, vocab_limit]``), each with its
-        request's draft generator at that position; write the tokens into ``tokens``
-        (``[active]``) and q, as float16 weights, into ``run.probs``."""
-        active = run.active
-        sampled = [j for j, r in enumerate(active) if not run.params[r].is_greedy]
-        if not sampled:
+        """Sample position ``i`` of the rows that are not greedy from their q (the
+        sampling transform of ``logits``, ``[batch, vocab_limit]``), each seeded row with
+        its request's draft generator at that position; write the tokens into ``tokens``
+        (``[batch]``) and q, as float16 weights, into ``run.probs``."""
+        if not run.probs_rows:
             return
         dev = self.runner.device
-        at = torch.tensor(sampled, device=dev)
-        w = quantize_q(probs_for([run.params[active[j]] for j in sampled], logits[at]))
+        at = torch.tensor(run.probs_rows, device=dev)
+        w = quantize_q(probs_for([run.params[r] for r in run.probs_rows], logits[at]))
         gens = [
-            run.seqs[active[j]].draft_generator_at(run.start[active[j]] + i, logits.device)
-            for j in sampled
+            run.seqs[r].draft_generator_at(run.start[r] + i, logits.device) for r in run.probs_rows
         ]
         tokens[at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
-        run.probs[torch.tensor([run.probs_row[active[j]] for j in sampled], device=dev), i] = w
+        run.probs[:, i] = w
 
     def _confidence_stop(
         self,
@@ -262,16 +295,15 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
         lse: torch.Tensor,
         tokens: torch.Tensor,
-    ) -> bool:
-        """End the rows whose token at ``i`` the draft itself gave less than
-        ``min_confidence`` (that token is still proposed); False when none is left."""
-        # The draft's raw probability of the token it proposed, row by row.
-        conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp().tolist()
-        for r, c in zip(run.active, conf, strict=True):
-            if c < self.min_confidence:
-                run.counts[r] = i + 1
-        run.active = [r for r, c in zip(run.active, conf, strict=True) if c >= self.min_confidence]
-        return bool(run.active)
+    ) -> None:
+        """End, on the device, the drafts of rows whose token at ``i`` the draft itself
+        gave less than ``min_confidence`` (that token is still proposed): their count
+        becomes ``i + 1``. The rows stay in the batch (reading which ones stopped would
+        stop the host every step); what they draft past their count is never proposed."""
+        # The draft's raw probability of the token it proposed, row by row: [batch]
+        conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp()
+        stop = (conf < self.min_confidence) & (run.counts == run.k)
+        run.counts = torch.where(stop, torch.full_like(run.counts, i + 1), run.counts)
 
 
 def _top(
@@ -328,7 +360,7 @@ class NgramProposer(Proposer):
 @dataclass
 class _Drafting:
     """One :meth:`DraftModelProposer.propose` call: its buffers and its rows' progress
-    (rows are the batch's; ``active`` lists those still drafting)."""
+    (rows are the batch's)."""
 
     seqs: Sequence[SequenceState]
     k: int  # drafts asked per row
@@ -340,26 +372,24 @@ class _Drafting:
     counts: torch.Tensor  # [batch] int64 drafts per row (k unless it stopped early)
     probs: torch.Tensor | None  # [len(probs_rows), k, vocab_limit] float16 q weights
     probs_rows: tuple[int, ...]  # the batch row of each probs row (the sampled rows)
-    probs_row: dict[int, int]  # batch row -> its probs row
     top_ids: torch.Tensor | None  # [batch, k, top_m] int64
     top_p: torch.Tensor | None  # [batch, k, top_m] float32 raw probabilities
-    feed: list[list[int]]  # per row: tokens the draft is fed next
-    active: list[int]  # rows still drafting
+    first_feed: list[list[int]]  # per row: tokens fed at step 0 (the unfed committed ones)
     history: dict[int, list[int]]  # rows with history-dependent processing: drafts so far
+    steps: int = 0  # draft steps run so far
 
 
 def _with_draft_history(logits: torch.Tensor, run: _Drafting) -> torch.Tensor:
-    """``logits`` (``[active, vocab_limit]``) with penalties and min_tokens applied on the
+    """``logits`` (``[batch, vocab_limit]``) with penalties and min_tokens applied on the
     rows that have them, given each row's output and its drafts so far (a float32 copy;
     the other rows unchanged)."""
     logits = logits.float().clone()
-    for j, r in enumerate(run.active):
-        if r in run.history:
-            s = run.seqs[r]
-            logits[j] = apply_history(
-                logits[j : j + 1],
-                run.params[r],
-                s.prompt_token_ids,
-                [*s.output_token_ids, *run.history[r]],
-            )[0]
+    for r in run.history:
+        s = run.seqs[r]
+        logits[r] = apply_history(
+            logits[r : r + 1],
+            run.params[r],
+            s.prompt_token_ids,
+            [*s.output_token_ids, *run.history[r]],
+        )[0]
     return logits

@@ -39,6 +39,12 @@ class RejectionOutput:
         n = int(self.num_accepted[row]) + 1
         return self.output_token_ids[row, :n].tolist()
 
+    def to_host(self) -> list[tuple[list[int], int]]:
+        """Per row, the tokens it commits and its accepted drafts, in one read of the
+        device for the whole batch (:meth:`tokens` reads per row)."""
+        host = torch.cat([self.num_accepted[:, None], self.output_token_ids], dim=1).tolist()
+        return [(row[1 : row[0] + 2], row[0]) for row in host]  # [batch, 1 + k + 1]
+
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,
@@ -48,6 +54,9 @@ def rejection_sample(
     is_greedy: torch.Tensor,
     generators: Sequence[torch.Generator | None],
     proposal: ProposalKind = "probs",
+    *,
+    host_counts: Sequence[int] | None = None,
+    host_greedy: Sequence[bool] | None = None,
 ) -> RejectionOutput:
     """Verify draft tokens against the target distribution.
 
@@ -58,6 +67,8 @@ def rejection_sample(
     is_greedy:        [batch] bool; greedy rows use argmax matching and draw no random numbers
     generators:       batch entries; per-request generators (None: the global RNG)
     proposal:         "probs" (full q), "point_mass" (q = δ_x), "uniform" (q = 1/vocab)
+    host_counts, host_greedy: num_draft_tokens and is_greedy as the caller already has them
+                      on the host (read from the tensors when not given)
 
     Each seeded row draws exactly ``num_draft_tokens[row]`` uniforms and then one
     categorical sample from its own generator, so a seeded request is reproducible
@@ -66,12 +77,12 @@ def rejection_sample(
     batch, k = draft_token_ids.shape
     _check_inputs(draft_token_ids, target_probs, draft_probs, generators, proposal)
 
-    # Everything follows the target's probabilities onto their device. Host syncs: the
-    # greedy flags and draft counts once (seeded rows draw per row from their own
-    # generator), and the caller's read of the output.
+    # Everything follows the target's probabilities onto their device. Host syncs: none
+    # when the caller gives the greedy flags and draft counts on the host (else one read
+    # each); then the caller's read of the output (RejectionOutput.to_host).
     device = target_probs.device
-    greedy_host = is_greedy.tolist()
-    counts_host = num_draft_tokens.tolist()
+    greedy_host = list(host_greedy) if host_greedy is not None else is_greedy.tolist()
+    counts_host = list(host_counts) if host_counts is not None else num_draft_tokens.tolist()
     draft_token_ids = draft_token_ids.to(device)
     if draft_probs is not None:
         draft_probs = draft_probs.to(device)
@@ -82,8 +93,8 @@ def rejection_sample(
     safe_draft = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
 
     p_x, q_x = _probs_at_drafts(target_probs, draft_probs, safe_draft, proposal)  # [batch, k]
-    seeded, unseeded = _random_streams(generators, greedy_host, is_greedy)
-    uniforms = _draw_uniforms(batch, k, unseeded, seeded, counts_host, generators)
+    seeded, unseeded = _random_streams(generators, greedy_host, device)
+    uniforms = _draw_uniforms(batch, k, unseeded, seeded, counts_host, generators, device)
     # u ~ U[0, 1): accept iff u < p/q, i.e. with probability min(1, p/q).
     stochastic_accept = uniforms * q_x < p_x
     greedy_accept = safe_draft == target_probs[:, :k].argmax(dim=-1)
@@ -146,33 +157,35 @@ def _probs_at_drafts(
 
 
 def _random_streams(
-    generators: Sequence[torch.Generator | None], greedy_host: list[bool], is_greedy: torch.Tensor
-) -> tuple[list[int], torch.Tensor]:
+    generators: Sequence[torch.Generator | None], greedy_host: list[bool], device: torch.device
+) -> tuple[list[int], torch.Tensor | None]:
     """Which rows draw from where: the seeded sampled rows (a list, each drawing from its
     own generator) and the ``[batch]`` bool mask of unseeded sampled rows (sharing one
-    draw from the global RNG). Greedy rows are in neither: they draw nothing."""
+    draw from the global RNG; None when there are none). Greedy rows are in neither:
+    they draw nothing. Decided from the host's lists: no read of the device."""
     seeded = [r for r, g in enumerate(generators) if g is not None and not greedy_host[r]]
-    unseeded = ~is_greedy.clone()
-    if seeded:
-        unseeded[torch.tensor(seeded, device=is_greedy.device)] = False
-    return seeded, unseeded
+    unseeded = [g is None and not greedy for g, greedy in zip(generators, greedy_host, strict=True)]
+    if not any(unseeded):
+        return seeded, None
+    return seeded, torch.tensor(unseeded, dtype=torch.bool, device=device)
 
 
 def _draw_uniforms(
     batch: int,
     k: int,
-    unseeded: torch.Tensor,
+    unseeded: torch.Tensor | None,
     seeded: list[int],
     counts_host: list[int],
     generators: Sequence[torch.Generator | None],
+    device: torch.device,
 ) -> torch.Tensor:
     """``u ~ U[0, 1)``, ``[batch, k]``: one shared draw for the unseeded rows, then exactly
     ``num_draft_tokens[row]`` per seeded row from its own generator (so a seeded request's
     stream does not depend on its batch); 0 for greedy rows and past a seeded row's drafts."""
-    device = unseeded.device
     uniforms = torch.zeros(batch, k, device=device)
     if k > 0:
-        uniforms[unseeded] = torch.rand(int(unseeded.sum()), k, device=device)
+        if unseeded is not None:  # drawn for every row, kept on the unseeded ones
+            uniforms = torch.where(unseeded[:, None], torch.rand(batch, k, device=device), 0.0)
         for row in seeded:
             n = counts_host[row]
             uniforms[row, :n] = torch.rand(n, generator=generators[row], device=device)
@@ -214,7 +227,7 @@ def _last_distribution(
 def _sample_last(
     p_at: torch.Tensor,
     last_dist: torch.Tensor,
-    unseeded: torch.Tensor,
+    unseeded: torch.Tensor | None,
     seeded: list[int],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
@@ -222,8 +235,8 @@ def _sample_last(
     (the target's greedy token, whatever q was); sampled rows draw from ``last_dist``, the
     unseeded in one shared call, each seeded row from its own generator."""
     last = p_at.argmax(dim=-1)
-    if bool(unseeded.any()):
-        last[unseeded] = torch.multinomial(last_dist[unseeded], 1)[:, 0]
+    if unseeded is not None:  # drawn for every row, kept on the unseeded ones
+        last = torch.where(unseeded, torch.multinomial(last_dist, 1)[:, 0], last)
     for row in seeded:
         last[row] = torch.multinomial(last_dist[row], 1, generator=generators[row])[0]
     return last

@@ -304,11 +304,15 @@ class ModelRunner:
     def forward_padded(
         self,
         seq_ids: Sequence[Hashable],
-        token_ids: Sequence[Sequence[int]],
+        token_ids: Sequence[Sequence[int]] | torch.Tensor,
         *,
         last_only: bool = False,
     ) -> torch.Tensor:
         """:meth:`forward` returning one padded tensor, rows in the order given.
+
+        ``token_ids`` may be a ``[batch, n]`` int64 tensor (every row appends ``n``
+        tokens), on the model's device or the host: a draft step feeds the tokens of the
+        step before without reading them back.
 
         Returns ``[batch, n, vocab]`` float32 (``n`` = the longest append; row ``i`` is
         valid up to ``len(token_ids[i])``), or ``[batch, vocab]`` with ``last_only``: the
@@ -318,12 +322,19 @@ class ModelRunner:
         """
         if len(seq_ids) != len(token_ids):
             raise ValueError("seq_ids and token_ids differ in length")
-        counts = [len(t) for t in token_ids]
+        if isinstance(token_ids, torch.Tensor):  # [batch, n] on any device: n per row
+            counts = [token_ids.shape[1]] * token_ids.shape[0]
+        else:
+            counts = [len(t) for t in token_ids]
         if not counts or min(counts) < 1:
             raise ValueError("every sequence must append at least one token")
-        if last_only and (
-            max(counts) > self.prefill_chunk_size
-            or len(counts) * max(counts) > self.max_num_batched_tokens
+        if (
+            last_only
+            and not isinstance(token_ids, torch.Tensor)
+            and (
+                max(counts) > self.prefill_chunk_size
+                or len(counts) * max(counts) > self.max_num_batched_tokens
+            )
         ):
             return self._chunked_last(seq_ids, token_ids)
         # Ids and positions are assembled on the host (they come from Python lists) and
@@ -564,10 +575,16 @@ class _RowPlan:
     same_start: bool  # every row starts at the same position
 
 
-def _input_ids(token_ids: Sequence[Sequence[int]], plan: _RowPlan) -> torch.Tensor:
-    """``[batch, n]`` int64 ids in slot order, 0-padded, assembled on the host (they come
-    from Python lists) so they reach the model's device in one copy."""
+def _input_ids(token_ids: Sequence[Sequence[int]] | torch.Tensor, plan: _RowPlan) -> torch.Tensor:
+    """``[batch, n]`` int64 ids in slot order, 0-padded, assembled on the host when they
+    come from Python lists (so they reach the model's device in one copy)."""
     host = torch.device("cpu")
+    if isinstance(token_ids, torch.Tensor):  # already a tensor (a draft step's tokens)
+        return (
+            token_ids
+            if plan.in_order
+            else token_ids[torch.tensor(plan.order, device=token_ids.device)]
+        )
     if min(plan.ns) == plan.n:  # no padding: one tensor straight from the lists
         return torch.tensor([token_ids[i] for i in plan.order], dtype=torch.long, device=host)
     input_ids = torch.zeros(len(plan.order), plan.n, dtype=torch.long, device=host)

@@ -203,33 +203,40 @@ def logits_to_probs(
     greedy = temp < GREEDY_EPS
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)
 
-    if top_k is not None:
+    vocab = logits.shape[-1]
+    # Each transform runs only when some row asks for it (decided on the host).
+    if top_k is not None and _any(top_k, lambda v: 0 < v < vocab, lambda t: (t > 0) & (t < vocab)):
         k = torch.as_tensor(top_k, device=logits.device).view(-1, *([1] * (logits.dim() - 1)))
-        vocab = logits.shape[-1]
         k_eff = torch.where(k <= 0, torch.full_like(k, vocab), k.clamp(max=vocab))
-        if bool((k_eff < vocab).any()):
-            sorted_desc = scaled.sort(dim=-1, descending=True).values
-            kth = sorted_desc.gather(-1, (k_eff - 1).expand(*scaled.shape[:-1], 1))
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        sorted_desc = scaled.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(-1, (k_eff - 1).expand(*scaled.shape[:-1], 1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
 
     probs = torch.softmax(scaled, dim=-1)
 
-    if top_p is not None:
+    if top_p is not None and _any(top_p, lambda v: v < 1, lambda t: t < 1):
         p = _as_column(top_p, logits)
-        if bool((p < 1).any()):
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Mass strictly before each token; a token is kept while that mass is < top_p,
-            # so the smallest set whose mass reaches top_p survives (always >= 1 token).
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop_sorted = before >= p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            probs = probs.masked_fill(drop, 0.0)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Mass strictly before each token; a token is kept while that mass is < top_p,
+        # so the smallest set whose mass reaches top_p survives (always >= 1 token).
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = before >= p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
 
-    if bool(greedy.any()):
+    if _any(temperature, lambda v: v < GREEDY_EPS, lambda t: t < GREEDY_EPS):
         one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs
+
+
+def _any(values: Sequence | torch.Tensor, test, tensor_test) -> bool:
+    """Whether any row's setting passes ``test``: decided from the host's values when
+    they are a sequence (the usual case: no read of the device), else from the tensor."""
+    if isinstance(values, torch.Tensor):
+        return bool(tensor_test(values).any())
+    return any(test(v) for v in values)
 
 
 def probs_for(params: Sequence[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
@@ -247,7 +254,11 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) ->
 
     probs: [batch, vocab] -> returns [batch] int64
     """
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    for i, gen in enumerate(generators):
-        out[i] = torch.multinomial(probs[i], 1, generator=gen)
+    seeded = [i for i, gen in enumerate(generators) if gen is not None]
+    if len(seeded) < len(generators):  # the unseeded rows in one draw from the global RNG
+        out = torch.multinomial(probs, 1)[:, 0]
+    else:
+        out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for i in seeded:
+        out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
     return out

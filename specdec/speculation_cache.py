@@ -350,10 +350,12 @@ class SpeculativeDrafter:
 
 
 def _drafts_of(prop, ks: list[int], params: list[SamplingParams]) -> list[Drafts]:
-    """Each proposal row's first ``ks[row]`` drafts (fewer where it stopped early), read to
-    the host in two reads for the whole proposal, not two per row (each a device sync)."""
-    counts = prop.num_draft_tokens.tolist()  # [rows]
-    ids = prop.draft_token_ids.tolist()  # [rows, k]
+    """Each proposal row's first ``ks[row]`` drafts (fewer where it stopped early), as the
+    proposer read them to the host (once for the whole proposal), or read here."""
+    counts, ids = prop.host_num_draft_tokens, prop.host_draft_token_ids
+    if counts is None or ids is None:
+        counts = prop.num_draft_tokens.tolist()  # [rows]
+        ids = prop.draft_token_ids.tolist()  # [rows, k]
     out = []
     for row, (k, p) in enumerate(zip(ks, params, strict=True)):
         n = min(k, counts[row])

@@ -10,11 +10,11 @@ a sub-batch. The results are identical; the cost of a greedy row is one argmax.
 
 Host syncs per verification (the committed tokens must reach Python to be streamed, so
 one read per round is the floor): greedy rows, one ``tolist`` of their argmaxes; sampled
-rows, ``any``/``sum`` of the unseeded mask and one multinomial read per seeded row (a
-seeded row draws from its own generator), then one read of the accepted counts and one
-of each row's committed tokens. The draft side (``DraftModelProposer.propose``) reads each
-step's sampled tokens (they are the next step's input ids) and, with ``min_confidence``,
-their probabilities. Nothing else leaves the device.
+rows, one read of their accepted counts and committed tokens together (which rows draw
+from where is decided from the host's own lists; seeded rows draw from their generators
+without a read). The draft side (``DraftModelProposer.propose``) feeds each step's tokens
+to the next on the device and reads the drafts once at the end (each step only for rows
+with penalties). Nothing else leaves the device.
 """
 
 from __future__ import annotations
@@ -102,11 +102,10 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
     host = torch.device("cpu")  # built from Python lists, moved to ``dev`` by the sampler
     draft_ids = torch.zeros(len(sampled), k, dtype=torch.long, device=host)
     draft_probs = torch.zeros(len(sampled), k, vocab, device=dev)
-    counts = torch.zeros(len(sampled), dtype=torch.long, device=host)
+    counts = [len(rows[i].draft_token_ids) for i in sampled]
     for row, i in enumerate(sampled):
         drafts, q = rows[i].draft_token_ids, rows[i].draft_probs
-        n = len(drafts)
-        counts[row] = n
+        n = counts[row]
         if n:
             draft_ids[row, :n] = torch.tensor(drafts, dtype=torch.long, device=host)
             if q is None:
@@ -118,15 +117,16 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
     p = probs_for(params, target)  # [s, k + 1, vocab]
     out = rejection_sample(
         draft_ids,
-        counts,
+        torch.tensor(counts, dtype=torch.long, device=host),
         p,
         draft_probs,
         torch.zeros(len(sampled), dtype=torch.bool, device=host),
         [rows[i].generator for i in sampled],
+        host_counts=counts,
+        host_greedy=[False] * len(sampled),
     )
-    accepted = out.num_accepted.tolist()  # one host sync for the sub-batch
-    for row, i in enumerate(sampled):
-        results[i] = (out.tokens(row), accepted[row])
+    for i, result in zip(sampled, out.to_host(), strict=True):  # one read for the sub-batch
+        results[i] = result
 
 
 def sample_next(

@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 
 from deployments.core.draft_link import DraftLink, Gathered
 from deployments.messages import DraftItem, PushedDraft, RoundFeedback
-from deployments.workers.drafting import DraftRounds, pushed_draft
+from deployments.workers.drafting import DraftRounds, pushed_drafts
 
 
 class ColocatedDraftLink(DraftLink):
@@ -73,8 +73,10 @@ class ColocatedDraftLink(DraftLink):
                 ks.append(k)
                 guesses[sid] = guess
         lost: list[PushedDraft] = []
-        for sid, drafts in self.rounds.propose(ids, ks, lost):
-            out.found[sid] = pushed_draft(sid, guesses[sid], drafts)
+        proposed = self.rounds.propose(ids, ks, lost)
+        pushes = pushed_drafts([(sid, guesses[sid], d) for sid, d in proposed], on_device=True)
+        for push in pushes:
+            out.found[push.seq_id] = push
         self._take_lost(lost)
         for sid in need:
             if sid not in out.found and not self._take_resync(sid, out):

@@ -25,7 +25,7 @@ from deployments.messages import (
     decode,
     encode,
 )
-from deployments.workers.drafting import DraftRounds, pushed_draft
+from deployments.workers.drafting import DraftRounds, pushed_drafts
 from deployments.workers.model_loader import configure_thread, load_runner, worker_info
 from specdec.policy import SpeculationWidth, WidthPolicyConfig
 from specdec.proposers import DraftModelProposer
@@ -227,11 +227,13 @@ class DraftWorker:
         ids, ks, guesses, lost = self.rounds.apply(msg.first, msg.items, msg.freed)
         proposed = self.rounds.propose(ids, ks, lost)
         # A pushed branch (actor transport) is at the core already; a reply carries all.
-        pushes: list[PushedDraft] = [
-            pushed_draft(sid, guesses[sid], d)
-            for sid, d in proposed
-            if self._reply_in_step or not d.speculative
-        ]
+        pushes: list[PushedDraft] = pushed_drafts(
+            [
+                (sid, guesses[sid], d)
+                for sid, d in proposed
+                if self._reply_in_step or not d.speculative
+            ]
+        )
         if self._speculated:  # rounds nobody prepared branches for say nothing of hits
             hits = sum(d.speculative for _, d in proposed)
             self.width.observe_hits(hits, len(proposed))
@@ -254,5 +256,5 @@ class DraftWorker:
         if branches:
             self.speculated += len(branches)
             if not self._reply_in_step:  # else they wait here for the next message
-                drafts = [pushed_draft(br.seq_id, br.guess, br.drafts) for br in branches]
+                drafts = pushed_drafts([(br.seq_id, br.guess, br.drafts) for br in branches])
                 core.push_drafts.remote(encode(DraftPush(round_for, drafts)))

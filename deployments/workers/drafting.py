@@ -14,22 +14,40 @@ import logging
 from collections.abc import Hashable
 
 from deployments.messages import DraftItem, DraftStatus, PushedDraft
-from specdec.qcodec import CompactQ
+from specdec.qcodec import DeviceQ, encode_batch
 from specdec.sampling import SamplingParams
 from specdec.speculation_cache import Drafts, SpeculativeDrafter
 
 logger = logging.getLogger("specserve.drafting")
 
 
-def pushed_draft(seq_id: Hashable, guess: tuple, drafts: Drafts) -> PushedDraft:
-    """One row's drafts for the core, keyed by the outcome they continue.
+def pushed_drafts(
+    rows: list[tuple[Hashable, tuple, Drafts]], *, on_device: bool = False
+) -> list[PushedDraft]:
+    """Each ``(seq_id, guess, drafts)`` row's drafts for the core, keyed by the outcome
+    they continue.
 
     Tokens, not vocabularies: a greedy row carries its ids; a sampled row its q in 16 bits,
-    over its support when top-k/top-p truncated it (:class:`specdec.qcodec.CompactQ`)."""
-    q = None if drafts.probs is None else CompactQ.encode(drafts.probs)
-    return PushedDraft(
-        seq_id, DraftStatus.DRAFTS, tuple(guess), drafts.tokens, q, drafts.speculative
-    )
+    over its support when top-k/top-p truncated it (:class:`specdec.qcodec.CompactQ`), all
+    rows' q read from the device together (:func:`specdec.qcodec.encode_batch`). With
+    ``on_device`` (a draft in the core's own process) q stays where it is
+    (:class:`specdec.qcodec.DeviceQ`): nothing travels, so nothing is read."""
+    sampled = [d.probs for _, _, d in rows if d.probs is not None]
+    if on_device:
+        qs = iter([DeviceQ(w, None, None, w.shape[-1]) for w in sampled])
+    else:
+        qs = iter(encode_batch(sampled))
+    return [
+        PushedDraft(
+            sid,
+            DraftStatus.DRAFTS,
+            tuple(guess),
+            d.tokens,
+            None if d.probs is None else next(qs),
+            d.speculative,
+        )
+        for sid, guess, d in rows
+    ]
 
 
 class DraftRounds:

@@ -190,11 +190,18 @@ def _one_thread_and_summary():
 
 
 def twin_recovered_from_p(
-    draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy, generators, *a
+    draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy, generators, *a, **kw
 ) -> RejectionOutput:
     """Wrong: a rejection at draft position >= 2 recovers from ``p`` not ``norm(p - q)+``."""
     out = rejection_sample(
-        draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy, generators, *a
+        draft_token_ids,
+        num_draft_tokens,
+        target_probs,
+        draft_probs,
+        is_greedy,
+        generators,
+        *a,
+        **kw,
     )
     rows = ((~out.bonus) & (out.num_accepted >= 2) & ~is_greedy).nonzero()[:, 0]  # [r]
     if rows.numel():
@@ -205,11 +212,18 @@ def twin_recovered_from_p(
 
 
 def twin_bonus_from_p_k(
-    draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy, generators, *a
+    draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy, generators, *a, **kw
 ) -> RejectionOutput:
     """Wrong: the bonus token is drawn from ``p_k`` (last draft's position), not ``p_{k+1}``."""
     out = rejection_sample(
-        draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy, generators, *a
+        draft_token_ids,
+        num_draft_tokens,
+        target_probs,
+        draft_probs,
+        is_greedy,
+        generators,
+        *a,
+        **kw,
     )
     counts = num_draft_tokens.to(out.num_accepted.device)
     rows = (out.bonus & (counts >= 1) & ~is_greedy).nonzero()[:, 0]  # [r]

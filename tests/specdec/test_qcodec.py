@@ -1,6 +1,7 @@
 """q in 16 bits between actors: what the verifier rebuilds is, bit for bit, the
 distribution the draft sampled from, in both wire forms, at the sizes the issue sets."""
 
+import numpy as np
 import torch
 
 from specdec.qcodec import CompactQ, dequantize_q, quantize_q
@@ -51,3 +52,30 @@ def test_zero_rows_and_float32_inputs():
     assert torch.equal(dequantize_q(torch.zeros(2, 7, dtype=torch.float16)), torch.zeros(2, 7))
     q = torch.softmax(torch.randn(2, 7), -1)
     assert dequantize_q(q) is q  # a float32 distribution is taken as it is
+
+
+def test_encode_batch_equals_encoding_each_row_and_reads_twice():
+    """The batched encoder gives every row the form and bytes encode gives it alone, dense
+    or by support, and reads the device twice for the whole batch."""
+    from specdec.host_syncs import HostSyncCounter
+    from specdec.qcodec import encode_batch
+
+    torch.manual_seed(0)
+    vocab = 50
+    full = torch.softmax(torch.randn(3, vocab), -1)  # dense: every entry non-zero
+    truncated = full.clone()
+    truncated[truncated < truncated.max(-1, keepdim=True).values / 2] = 0  # a few ids left
+    rows = [quantize_q(full), quantize_q(truncated[:2]), quantize_q(full[:1]), truncated[:0]]
+    rows[3] = rows[3].to(torch.float16)  # a row with no drafts
+    with HostSyncCounter() as counter:
+        batch = encode_batch(rows)
+    assert counter.total == 2
+    for w, got in zip(rows, batch, strict=True):
+        want = CompactQ.encode(w)
+        assert (got.ids is None) == (want.ids is None) and got.width == want.width
+        np.testing.assert_array_equal(got.values, want.values)
+        if want.ids is not None:
+            np.testing.assert_array_equal(got.ids, want.ids)
+            np.testing.assert_array_equal(got.counts, want.counts)
+        torch.testing.assert_close(got.weights("cpu"), w, rtol=0, atol=0)
+    assert batch[1].ids is not None and batch[0].ids is None  # both forms were exercised
