@@ -24,7 +24,9 @@ from specdec.sequence import SequenceState
 
 @dataclass
 class Proposal:
-    """Draft tokens for a batch; rows shorter than ``k`` are padded with 0."""
+    """Draft tokens for a batch. A row's drafts are its first ``num_draft_tokens``:
+    past them (a confidence stop) the tensors hold what the draft went on to draft, which
+    is never proposed; every consumer cuts each row at its count."""
 
     draft_token_ids: torch.Tensor  # [batch, k] int64
     num_draft_tokens: torch.Tensor  # [batch] int64
@@ -171,7 +173,8 @@ class DraftModelProposer(Proposer):
         run = self._start(seqs, k, top_m)
         for i in range(k):
             if should_stop is not None and should_stop():
-                self._read_drafts(run)  # what was fed stays cached
+                if run.steps:
+                    self._read_drafts(run)  # what was fed stays cached
                 return None
             if not self._step(run, i):
                 break
@@ -191,15 +194,15 @@ class DraftModelProposer(Proposer):
     def _read_drafts(self, run: _Drafting) -> tuple[list[int], list[list[int]]]:
         """The drafts and their counts on the host, in one read for the whole batch (the
         steps fed each other on the device); records what the draft's cache now holds:
-        each row's first feed, then every draft it was fed (all but its last)."""
+        each row's first feed, then the drafts of every step but the last (every row
+        runs every step, a stopped one too)."""
         host = torch.cat([run.counts[:, None], run.draft], dim=1).tolist()  # [batch, 1 + k]
         counts = [row[0] for row in host]
         drafts = [row[1:] for row in host]
         if run.steps:
             for r, sid in enumerate(run.ids):
-                fed = max(0, min(counts[r], run.steps) - 1)
                 self._cached[sid].extend(run.first_feed[r])
-                self._cached[sid].extend(drafts[r][:fed])
+                self._cached[sid].extend(drafts[r][: run.steps - 1])
         return counts, drafts
 
     def _start(self, seqs: Sequence[SequenceState], k: int, top_m: int) -> _Drafting:

@@ -125,7 +125,7 @@ def encode_batch(ws: list[torch.Tensor]) -> list[CompactQ]:
         total = sum(sizes[i] for i in sparse)
         rows, ids = torch.nonzero_static(nonzero[at], size=total).unbind(1)  # row-major
         parts += [_as_int32(flat[at][rows, ids]), ids.to(torch.int32)]
-    packed = torch.cat(parts).cpu().numpy()  # read 2
+    packed = torch.cat(parts).cpu().numpy() if parts else np.empty(0, np.int32)  # read 2
     dense_vals = packed[: len(dense) * width].astype(np.int16).view(np.float16)
     support_total = (len(packed) - len(dense_vals)) // 2
     support_vals = packed[len(dense_vals) : len(dense_vals) + support_total]

@@ -12,7 +12,8 @@ and this function, registered with transformers' ``AttentionInterface`` as
   (decode), or a pass from position 0 with no padding (prefill), SDPA's own causal flag;
 - else a boolean mask built from the row positions, once per layer type per pass, on the
   model's device, never through the model's mask code;
-- grouped-query attention through SDPA's ``enable_gqa``: keys and values are read in place.
+- grouped-query attention through SDPA's ``enable_gqa``: keys and values are read in place
+  (on CUDA only in the passes without a mask: no fused kernel there takes both).
 
 A model whose attention SDPA cannot compute (soft-capped scores, attention sinks), that
 does not pass the runner's arguments down to its attention, or that changes the mask it is
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.attention import SLIDING, AttentionLayout, build_masks
@@ -78,7 +79,8 @@ class RowSpans:
         if self.same_start and within_window:
             if n == 1:  # one query per row at the common end: every key is its prefix
                 return None, False
-            if n == self.kv_len:  # from position 0, no padding: plain causal
+            if n == self.kv_len:  # from position 0: plain causal (a padded query reads
+                # past its row's end, but its logits are never used)
                 return None, True
         if layer_type not in self._masks:
             rows = self.query_positions[:1] if self.same_start else self.query_positions
@@ -123,6 +125,14 @@ def row_attention(
         raise RowAttentionUnavailable(f"{type(module).__name__} has no usable layer_idx")
     spans.calls += 1
     mask, is_causal = spans.mask(spans.layout.layer_types[layer_idx])
+    groups = query.shape[1] // key.shape[1]
+    # On CUDA no fused kernel takes grouped heads and a mask together (flash takes no
+    # mask, memory-efficient no groups): SDPA would fall to its math kernel, which
+    # materialises every score. There a masked pass copies KV out to the query heads,
+    # as transformers does; the CPU kernels take both.
+    in_place = groups > 1 and (mask is None or query.device.type == "cpu")
+    if groups > 1 and not in_place:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     out = F.scaled_dot_product_attention(
         query,
         key,
@@ -131,7 +141,7 @@ def row_attention(
         dropout_p=dropout,
         is_causal=is_causal,
         scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
+        enable_gqa=in_place,
     )  # [b, heads, n, dv]
     return out.transpose(1, 2).contiguous(), None
 

@@ -193,8 +193,10 @@ class ModelRunner:
                         f"{self._last_spans.calls} of {self.attention.num_layers} layers "
                         "attended by row positions"
                     )
-            except RowAttentionUnavailable as exc:
-                logger.info("attention by 4-D masks (SDPA): %s", exc)
+            except Exception as exc:  # whatever the model did with the row spans
+                if not self._row_attention:
+                    raise
+                logger.info("attention by 4-D masks (SDPA): %r", exc)
                 self.model.set_attn_implementation("sdpa")
                 self._row_attention = False
                 self.cache = SlotKVCache(self.attention.num_layers, num_slots=1, capacity=2)
