@@ -57,7 +57,7 @@ class CompactQ:
         n, width = w.shape
         nonzero = w != 0
         total = int(nonzero.sum())
-        if 3 * total >= n * width:  # 2 bytes per entry beat 6 per support entry
+        if _dense_is_smaller(n, width, total):
             return cls(w.cpu().numpy(), None, None, width)
         rows, ids = nonzero.nonzero(as_tuple=True)  # row-major: position by position
         counts = torch.bincount(rows, minlength=n)
@@ -112,7 +112,7 @@ def encode_batch(ws: list[torch.Tensor]) -> list[CompactQ]:
     for w in ws:
         n = w.shape[0]
         support = sum(sizes[offset : offset + n])
-        is_dense = 3 * support >= n * width  # 2 bytes per entry beat 6 per support entry
+        is_dense = _dense_is_smaller(n, width, support)
         spans.append((offset, n, support, is_dense))
         (dense if is_dense else sparse).extend(range(offset, offset + n))
         offset += n
@@ -149,6 +149,12 @@ def encode_batch(ws: list[torch.Tensor]) -> list[CompactQ]:
             )
             sp += support
     return out
+
+
+def _dense_is_smaller(positions: int, width: int, support: int) -> bool:
+    """Whether ``positions`` rows of ``width`` weights go as dense (2 bytes an entry)
+    rather than as their ``support`` non-zero entries (6 bytes each: id and weight)."""
+    return 3 * support >= positions * width
 
 
 def _as_int32(w: torch.Tensor) -> torch.Tensor:
