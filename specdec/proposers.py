@@ -229,6 +229,7 @@ class DraftModelProposer(Proposer):
                 else None
             ),
             probs_rows=probs_rows,
+            probs_at=torch.tensor(probs_rows, dtype=torch.long, device=dev),
             top_ids=torch.zeros(batch, k, top_m, dtype=torch.long, device=dev) if top_m else None,
             top_p=torch.zeros(batch, k, top_m, device=dev) if top_m else None,
             first_feed=[self._sync(s) for s in seqs],
@@ -282,13 +283,11 @@ class DraftModelProposer(Proposer):
         (``[batch]``) and q, as float16 weights, into ``run.probs``."""
         if not run.probs_rows:
             return
-        dev = self.runner.device
-        at = torch.tensor(run.probs_rows, device=dev)
-        w = quantize_q(probs_for([run.params[r] for r in run.probs_rows], logits[at]))
+        w = quantize_q(probs_for([run.params[r] for r in run.probs_rows], logits[run.probs_at]))
         gens = [
             run.seqs[r].draft_generator_at(run.start[r] + i, logits.device) for r in run.probs_rows
         ]
-        tokens[at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
+        tokens[run.probs_at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
         run.probs[:, i] = w
 
     def _confidence_stop(
@@ -375,6 +374,7 @@ class _Drafting:
     counts: torch.Tensor  # [batch] int64 drafts per row (k unless it stopped early)
     probs: torch.Tensor | None  # [len(probs_rows), k, vocab_limit] float16 q weights
     probs_rows: tuple[int, ...]  # the batch row of each probs row (the sampled rows)
+    probs_at: torch.Tensor  # [len(probs_rows)] int64 the same rows, on the draft's device
     top_ids: torch.Tensor | None  # [batch, k, top_m] int64
     top_p: torch.Tensor | None  # [batch, k, top_m] float32 raw probabilities
     first_feed: list[list[int]]  # per row: tokens fed at step 0 (the unfed committed ones)
