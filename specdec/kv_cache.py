@@ -59,9 +59,15 @@ class BatchLayout:
 
     slots: torch.Tensor  # [batch] int64 slot of each row
     write_positions: torch.Tensor  # [batch, n] int64 cache positions of the new tokens
-    kv_len: int  # keys/values returned to attention: positions [0, kv_len)
+    # [kv_len] int64 arange: keys/values returned to attention are positions [0, kv_len).
+    # A tensor, not an int, so a compiled graph reads kv_len as a dynamic size.
+    kv_range: torch.Tensor
     contiguous_from: int | None  # first slot if slots == range(first, first + batch)
     write_start: int | None = None  # every row writes at [write_start, write_start + n)
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_range.shape[0]
 
 
 class _SlotLayer(CacheLayerMixin):

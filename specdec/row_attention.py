@@ -52,13 +52,22 @@ class RowSpans:
 
     layout: AttentionLayout
     query_positions: torch.Tensor  # [batch | 1, n] int64 absolute positions, model's device
-    kv_len: int  # keys every row's attention is given: cache positions [0, kv_len)
+    # [kv_len] int64 arange: keys every row's attention is given, cache positions
+    # [0, kv_len) (a tensor, so a compiled graph reads kv_len as a dynamic size)
+    kv_range: torch.Tensor
     same_start: bool  # every row's first query sits at the same position
+    # A compiled pass (specdec.execution): a mask per row unless the pass is one query of
+    # one row, so which rows start where never changes which graph runs.
+    per_row_masks: bool = False
     # What the runner passes as the model's attention_mask: an empty 4-D tensor, which
     # transformers hands to every layer untouched (it builds no mask of its own then).
     no_mask: torch.Tensor | dict[str, torch.Tensor] = field(init=False, repr=False)
     calls: int = field(default=0, init=False)  # layers that attended by these spans
     _masks: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_range.shape[0]
 
     def __post_init__(self) -> None:
         empty = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=self.query_positions.device)
@@ -76,14 +85,18 @@ class RowSpans:
         ``is_causal`` telling SDPA to mask the upper triangle itself."""
         n = self.query_positions.shape[-1]
         within_window = layer_type != SLIDING or self.kv_len <= self.layout.sliding_window
-        if self.same_start and within_window:
+        if self.per_row_masks:
+            if n == 1 and self.query_positions.shape[0] == 1 and within_window:
+                return None, False
+        elif self.same_start and within_window:
             if n == 1:  # one query per row at the common end: every key is its prefix
                 return None, False
             if n == self.kv_len:  # from position 0: plain causal (a padded query reads
                 # past its row's end, but its logits are never used)
                 return None, True
         if layer_type not in self._masks:
-            rows = self.query_positions[:1] if self.same_start else self.query_positions
+            one = self.same_start and not self.per_row_masks
+            rows = self.query_positions[:1] if one else self.query_positions
             masks = build_masks(self.layout, rows, self.kv_len)
             self._masks[layer_type] = masks[layer_type] if isinstance(masks, dict) else masks
         return self._masks[layer_type], False

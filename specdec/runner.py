@@ -23,6 +23,7 @@ from specdec.attention import (
     decoder_config,
     exact_position_limit,
 )
+from specdec.execution import EAGER, CompiledForward, PassShape, check_execution_mode
 from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, plan_slots
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 from specdec.kv_manager import SlotTable
@@ -77,8 +78,11 @@ class ModelRunner:
         defer_kv: bool = False,
         kv_shared_with: ModelRunner | None = None,
         attention_backend: str = "rows",
+        execution_mode: str = EAGER,
+        max_compiled_query_len: int = 32,
     ):
         check_transformers_version()
+        check_execution_mode(execution_mode)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
@@ -103,6 +107,9 @@ class ModelRunner:
         # the probe below falls back to 4-D masks if the model cannot.
         self._row_attention = attention_backend == "rows" and impl == "sdpa"
         self._last_spans: RowSpans | None = None  # the last pass's (the probe checks it)
+        self._compiled: CompiledForward | None = None  # set once the probe has run eagerly
+        # Passes of more queries (long prefill chunks: compute-bound, few) run eager.
+        self.max_compiled_query_len = max_compiled_query_len
         if self._row_attention:
             self.model.set_attn_implementation(ROW_ATTENTION)
         self.max_model_len = self._served_length(model_name, max_model_len)
@@ -123,6 +130,55 @@ class ModelRunner:
             self._allocate_planned(
                 max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction, kv_shared_with
             )
+        self._compiled = self._compiled_forward(execution_mode, model_name)
+
+    def _compiled_forward(self, mode: str, name: str) -> CompiledForward | None:
+        """The compiled forward (``execution_mode="torch_compile"``), or None: eager. A
+        compiled pass needs attention by rows (its masks are then built inside the graph
+        from tensors of dynamic size, not from Python ints it would be specialised on); a
+        model without it runs eager, logged."""
+        if mode == EAGER:
+            return None
+        if not self._row_attention:
+            logger.warning(
+                "%s runs eager: compiled execution needs attention by row positions "
+                "(this model attends by 4-D masks)",
+                name,
+            )
+            return None
+        return CompiledForward(self.model, name)
+
+    @property
+    def execution_mode(self) -> str:
+        return EAGER if self._compiled is None else "torch_compile"
+
+    @property
+    def compile_seconds(self) -> dict[PassShape, float]:
+        """Each compiled graph's first call [s] (empty when eager)."""
+        return {} if self._compiled is None else dict(self._compiled.compile_seconds)
+
+    @torch.no_grad()
+    def warm_up(self, max_query_len: int = 8) -> dict[PassShape, float]:
+        """Compile every graph a pass can need now, at startup, rather than in a request:
+        each :class:`PassShape` once, on scratch sequences in free slots (rolled back and
+        freed after). Returns the seconds each graph took; nothing when eager, or when no
+        slot is free."""
+        if self._compiled is None or self.num_free_slots == 0:
+            return {}
+        rows = ["warm-up-0", "warm-up-1"][: min(2, self.num_free_slots)]
+        n = max(2, min(3, self.max_compiled_query_len, self.max_model_len // 4))
+        for sid in rows:
+            self.add(sid)
+        try:
+            for batch in range(1, len(rows) + 1):
+                ids = rows[:batch]
+                # a short prefill (ragged when there are rows), then a draft step
+                self.forward_padded(ids, [[0] * (n - i) for i in range(batch)], last_only=True)
+                self.forward_padded(ids, [[0]] * batch, last_only=True)
+        finally:
+            for sid in rows:
+                self.free(sid)
+        return self.compile_seconds
 
     def _served_length(self, model: str, max_model_len: int | None) -> int:
         """The longest sequence served: ``max_model_len``, capped at what the model has
@@ -342,28 +398,43 @@ class ModelRunner:
         # Ids and positions are assembled on the host (they come from Python lists) and
         # moved to the model's device in one copy each; nothing uses the default device.
         plan = self._plan_rows(seq_ids, counts)
-        input_ids = _input_ids(token_ids, plan)  # [batch, n] int64, on the host
+        compiled = self._compiled is not None and plan.n <= self.max_compiled_query_len
+        input_ids = _input_ids(token_ids, plan).to(self.device)  # [batch, n] int64
         position_ids, write_positions = self._positions(plan)  # [batch, n] each
-        attention = self._attention_args(plan, position_ids)
-        dev = self.device
+        kv_range = torch.arange(plan.kv_len, device=self.device)  # [kv_len]
+        slots = torch.tensor(plan.slots, dtype=torch.long, device=self.device)  # [batch]
         first, batch = plan.slots[0], len(plan.slots)
         contiguous = plan.slots == list(range(first, first + batch))
+        if compiled:
+            # One layout for every compiled pass: writes scattered by position, keys
+            # gathered by slot, separate position tensors (aliasing is guarded on).
+            input_ids, position_ids = input_ids.contiguous(), position_ids.contiguous()
+            write_positions = write_positions.clone()
         self.cache.layout = BatchLayout(
-            slots=torch.tensor(plan.slots, dtype=torch.long, device=dev),
+            slots=slots,
             write_positions=write_positions,
-            kv_len=plan.kv_len,
-            contiguous_from=first if contiguous else None,
-            write_start=plan.starts[0] if plan.same_start else None,
+            kv_range=kv_range,
+            contiguous_from=first if contiguous and not compiled else None,
+            write_start=plan.starts[0] if plan.same_start and not compiled else None,
+        )
+        kwargs = dict(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            **self._attention_args(plan, position_ids, kv_range, compiled),
+            use_cache=True,
+            # Compiled: every position's logits (transformers' per-row selection
+            # specialises a graph on its sizes); _commit picks each row's last.
+            **({} if compiled else self._logits_to_keep(plan, last_only)),
         )
         try:
-            out = self.model(
-                input_ids=input_ids.to(dev),
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                **attention,
-                use_cache=True,
-                **self._logits_to_keep(plan, last_only),
-            )
+            if compiled:
+                shape = PassShape(batch == 1, plan.n == 1)
+                dynamic = [(input_ids, (0, 1)), (position_ids, (0, 1))]
+                dynamic += [(write_positions, (0, 1)), (slots, (0,)), (kv_range, (0,))]
+                out = self._compiled(shape, dynamic, **kwargs)
+            else:
+                out = self.model(**kwargs)
         finally:
             self.cache.layout = None
         return self._commit(seq_ids, plan, out.logits, last_only)
@@ -414,11 +485,14 @@ class ModelRunner:
         position_ids = torch.minimum(position_ids, end_t - 1)
         return position_ids, position_ids.masked_fill(padded, self.cache.scratch_position)
 
-    def _attention_args(self, plan: _RowPlan, position_ids: torch.Tensor) -> dict:
+    def _attention_args(
+        self, plan: _RowPlan, position_ids: torch.Tensor, kv_range: torch.Tensor, compiled: bool
+    ) -> dict:
         """The model's keyword arguments that say what each query attends to: the rows'
-        positions for attention by rows, else the 4-D masks (:meth:`_mask`)."""
+        positions for attention by rows (a mask per row in a compiled pass), else the 4-D
+        masks (:meth:`_mask`)."""
         if self._row_attention:
-            spans = RowSpans(self.attention, position_ids, plan.kv_len, plan.same_start)
+            spans = RowSpans(self.attention, position_ids, kv_range, plan.same_start, compiled)
             self._last_spans = spans
             return {"attention_mask": spans.model_mask(), ROW_SPANS_KWARG: spans}
         return {"attention_mask": self._mask(plan, position_ids)}

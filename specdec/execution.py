@@ -1,0 +1,137 @@
+"""How a runner executes its model's forward: eager, or as compiled graphs.
+
+Why compile: on the demo pair (and on any model on a GPU) an eager forward is one
+Python-dispatched kernel at a time, so a small draft's step costs nearly what its
+arithmetic does not. ``torch.compile`` (Inductor) traces the whole forward, transformers'
+code and the slot cache included, into one graph of fused kernels.
+
+Why graphs per :class:`PassShape` and not one per pass: a graph is traced for the sizes of
+its first pass; sizes of 1 are always specialised (a one-row or one-query pass gets graphs
+of its own), every other size is marked dynamic before the call (rows, queries, keys), so
+one graph serves every batch of 2..max_num_seqs rows, every draft length and every context
+length. The runner canonicalises compiled passes (every row's writes scattered by
+position, keys gathered by slot, masks per row), so nothing else a pass carries (which
+slots, where rows start) changes which graph runs. :meth:`ModelRunner.warm_up
+<specdec.runner.ModelRunner.warm_up>` compiles all of them at startup; after it, no pass
+recompiles (``tests/specdec/test_compiled.py`` runs rounds under
+``torch._dynamo.config.error_on_recompile``).
+
+A graph that fails to compile leaves that shape eager (logged), the rest compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+logger = logging.getLogger("specserve.execution")
+
+EAGER = "eager"
+TORCH_COMPILE = "torch_compile"
+EXECUTION_MODES = (EAGER, TORCH_COMPILE)
+
+# What each device type runs when a model spec leaves execution_mode unset: what
+# bench.costs measured faster there (docs/benchmarks.md, "Compiled execution"). CUDA stays
+# eager until CUDA graphs have been measured on a GPU (none has run this code).
+_DEFAULT_MODE = {"cpu": TORCH_COMPILE}
+
+# Graphs one compiled forward may hold: the shapes of :class:`PassShape` (4) for each model
+# in the process, with room to spare (torch's default, 8, is per code object, and the
+# target and a colocated draft of one family share their forward's code).
+_GRAPHS_PER_PROCESS = 64
+
+
+def default_execution_mode(device_type: str) -> str:
+    """The execution mode a model on ``device_type`` ("cpu", "cuda") gets by default."""
+    return _DEFAULT_MODE.get(device_type, EAGER)
+
+
+def check_execution_mode(mode: str) -> str:
+    if mode not in EXECUTION_MODES:
+        raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {mode!r}")
+    return mode
+
+
+def compile_cache_dir(base: str | os.PathLike) -> Path:
+    """Where Inductor keeps its compiled artifacts, under ``base``: one directory per
+    torch and transformers version (a new version traces different code). Inductor keys
+    each artifact by its graph, which holds the model's shapes and config, so models and
+    settings share the directory without colliding."""
+    tag = f"torch-{torch.__version__}-transformers-{transformers.__version__}"
+    return Path(base).expanduser() / tag.replace("+", "_")
+
+
+def use_compile_cache(base: str | os.PathLike) -> Path:
+    """Point this process's Inductor caches at :func:`compile_cache_dir` (before the first
+    compile: Inductor reads the variable when it first needs the directory), so a restart
+    loads graphs instead of compiling them again."""
+    path = compile_cache_dir(base)
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class PassShape:
+    """Which compiled graph a forward pass runs: the sizes the graph is specialised on."""
+
+    single_row: bool  # batch == 1
+    single_query: bool  # n == 1 (decode, a draft step)
+
+    def __str__(self) -> str:
+        rows = "1 row" if self.single_row else "rows"
+        queries = "1 query" if self.single_query else "queries"
+        return f"{rows} x {queries}"
+
+
+class CompiledForward:
+    """A model's forward compiled once per :class:`PassShape`, eager where that failed.
+
+    Call it with the shape, the tensors whose sizes vary between passes of that shape
+    (``dynamic``: tensor and dims, marked dynamic on the way in: rows, queries, keys) and
+    the model's keyword arguments."""
+
+    def __init__(self, model: torch.nn.Module, name: str):
+        self.name = name
+        self._eager = model.forward
+        # fullgraph: a graph break is a compile failure (then eager for that shape), not
+        # a silent split into pieces with Python between them.
+        self._compiled = torch.compile(model.forward, fullgraph=True)
+        self.compile_seconds: dict[PassShape, float] = {}  # shape -> first call's time [s]
+        self.eager_shapes: set[PassShape] = set()  # shapes whose graph failed to compile
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, _GRAPHS_PER_PROCESS)
+        # No duck shaping: sizes that happen to be equal when a graph is traced (a prefill
+        # from position 0 has as many queries as keys) stay separate symbols, so the graph
+        # does not assume they always are.
+        torch.fx.experimental._config.use_duck_shape = False
+
+    def __call__(
+        self, shape: PassShape, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], **kwargs
+    ):
+        if shape in self.eager_shapes:
+            return self._eager(**kwargs)
+        for tensor, dims in dynamic:
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if shape in self.compile_seconds:
+            return self._compiled(**kwargs)
+        start = time.perf_counter()
+        try:
+            out = self._compiled(**kwargs)
+        except Exception as exc:  # any compile failure: this shape runs eager
+            self.eager_shapes.add(shape)
+            logger.warning(
+                "%s: %s stays eager (its graph failed to compile): %r", self.name, shape, exc
+            )
+            return self._eager(**kwargs)
+        seconds = time.perf_counter() - start
+        self.compile_seconds[shape] = seconds
+        logger.info("%s: compiled %s in %.1f s", self.name, shape, seconds)
+        return out
