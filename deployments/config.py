@@ -90,6 +90,20 @@ class ModelSpec(_Strict):
         "exclusive with kv_cache_memory_bytes. Fewer slots than max_num_seqs make requests "
         "wait for a free slot, never fail.",
     )
+    execution_mode: Literal["eager", "torch_compile"] | None = Field(
+        default=None,
+        description="How the model's forward runs: 'eager' (transformers' modules, one "
+        "kernel at a time: the reference) or 'torch_compile' (Inductor graphs per pass shape, "
+        "compiled at startup while /health says 'warming'; a shape that fails to compile "
+        "stays eager). Unset: what bench.costs measured faster on the worker's device type "
+        "(cpu: torch_compile; cuda: eager). Unrelated to speculation.transport.",
+    )
+    compile_cache_dir: str = Field(
+        default="~/.cache/specserve/torch-compile",
+        description="Where compiled graphs are kept across restarts (a directory per torch "
+        "and transformers version under it), so a restarted worker loads them instead of "
+        "compiling again.",
+    )
     default_device: str | None = Field(
         default=None,
         description="torch's default device in the worker's threads once the model is "

@@ -95,7 +95,9 @@ class RowSpans:
                 # past its row's end, but its logits are never used)
                 return None, True
         if layer_type not in self._masks:
-            one = self.same_start and not self.per_row_masks
+            one = (
+                not self.per_row_masks and self.same_start
+            )  # (a compiled pass never reads same_start)
             rows = self.query_positions[:1] if one else self.query_positions
             masks = build_masks(self.layout, rows, self.kv_len)
             self._masks[layer_type] = masks[layer_type] if isinstance(masks, dict) else masks

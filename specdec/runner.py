@@ -398,7 +398,11 @@ class ModelRunner:
         # Ids and positions are assembled on the host (they come from Python lists) and
         # moved to the model's device in one copy each; nothing uses the default device.
         plan = self._plan_rows(seq_ids, counts)
-        compiled = self._compiled is not None and plan.n <= self.max_compiled_query_len
+        # Compiled unless a long prefill chunk, or a one-token cache (a size of 1 would
+        # be a graph of its own: a 1-token prompt's prefill runs eagerly instead).
+        compiled = (
+            self._compiled is not None and plan.n <= self.max_compiled_query_len and plan.kv_len > 1
+        )
         input_ids = _input_ids(token_ids, plan).to(self.device)  # [batch, n] int64
         position_ids, write_positions = self._positions(plan)  # [batch, n] each
         kv_range = torch.arange(plan.kv_len, device=self.device)  # [kv_len]
@@ -408,8 +412,11 @@ class ModelRunner:
         if compiled:
             # One layout for every compiled pass: writes scattered by position, keys
             # gathered by slot, separate position tensors (aliasing is guarded on).
-            input_ids, position_ids = input_ids.contiguous(), position_ids.contiguous()
-            write_positions = write_positions.clone()
+            # and fresh row-major tensors (a graph is guarded on its inputs' strides)
+            dense = torch.contiguous_format
+            input_ids = input_ids.clone(memory_format=dense)
+            position_ids = position_ids.clone(memory_format=dense)
+            write_positions = write_positions.clone(memory_format=dense)
         self.cache.layout = BatchLayout(
             slots=slots,
             write_positions=write_positions,

@@ -57,7 +57,12 @@ from deployments.messages import (
     encode,
 )
 from deployments.workers.drafting import DraftRounds
-from deployments.workers.model_loader import configure_thread, load_runner, worker_info
+from deployments.workers.model_loader import (
+    configure_thread,
+    load_runner,
+    warm_up,
+    worker_info,
+)
 from specdec.policy import SpeculationLength
 from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
@@ -131,6 +136,10 @@ class EngineCore:
         self.failed_requests = 0  # failed alone, each with its own error (see _fail)
         self._failures_in_a_row = 0
         self._stopped = False
+        # Compiling the models' graphs (execution_mode torch_compile) is the loop thread's
+        # first work: requests that come meanwhile wait in the queue, /health says warming.
+        self.warming = True
+        self.compile_seconds: dict[str, dict[str, float]] = {}
         self._thread = threading.Thread(target=self._loop_guarded, name="specserve-core")
         self._thread.daemon = True
         self._thread.start()
@@ -250,6 +259,8 @@ class EngineCore:
     @ray.method(concurrency_group="control")
     def health(self) -> dict[str, Any]:
         return {
+            "warming": self.warming,
+            "compile_seconds": self.compile_seconds,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._new),
             "error": self.error,
@@ -297,6 +308,7 @@ class EngineCore:
     def _loop_guarded(self) -> None:
         configure_thread(self.spec)
         try:
+            self._warm_up()
             self._loop()
         except Exception as exc:  # Ray does not see this thread: surface the error
             logger.exception("engine core loop failed")
@@ -309,6 +321,15 @@ class EngineCore:
                         EngineCoreOutput(sid, [], True, "error", 0, SpecCounts(), self.error)
                     )
                 self._out_cv.notify_all()
+
+    def _warm_up(self) -> None:
+        """Compile the target's graphs, and a colocated draft's, before the first round."""
+        try:
+            for name, runner in (("target", self.runner), ("draft", self.draft_runner)):
+                if runner is not None:
+                    self.compile_seconds[name] = warm_up(runner)
+        finally:
+            self.warming = False
 
     def _loop(self) -> None:
         """schedule (aborts, admissions) -> run (a round) -> postprocess (in the round)."""

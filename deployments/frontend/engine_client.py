@@ -203,12 +203,15 @@ class EngineClient:
 
     @property
     def status(self) -> str:
-        """``ok``: serving with speculation; ``degraded``: serving target-only while a draft
+        """``ok``: serving with speculation; ``warming``: compiling the models' graphs at
+        startup (requests wait for it); ``degraded``: serving target-only while a draft
         is away, or holding requests while a replacement target loads (they resume on
         it); ``unavailable``: cannot serve (the target failed for good). The HTTP /health
         and Serve's check_health both answer from this."""
         if not self.ready:
             return "unavailable"
+        if self._core_health.get("warming"):
+            return "warming"
         if self._replacing_target:
             return "degraded"
         if self.colocated:

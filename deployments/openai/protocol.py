@@ -385,8 +385,9 @@ class KVCacheUsage(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded", "unavailable"] = Field(
-        description="ok: serving with speculation; degraded: serving target-only while a "
+    status: Literal["ok", "warming", "degraded", "unavailable"] = Field(
+        description="ok: serving with speculation; warming: compiling the models' graphs "
+        "at startup, requests wait for it (HTTP 200); degraded: serving target-only while a "
         "draft is replaced (HTTP 200); unavailable: cannot serve now (HTTP 503)."
     )
     target: bool = Field(description="The target worker is up.")

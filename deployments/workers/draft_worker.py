@@ -26,7 +26,12 @@ from deployments.messages import (
     encode,
 )
 from deployments.workers.drafting import DraftRounds, pushed_drafts
-from deployments.workers.model_loader import configure_thread, load_runner, worker_info
+from deployments.workers.model_loader import (
+    configure_thread,
+    load_runner,
+    warm_up,
+    worker_info,
+)
 from specdec.policy import SpeculationWidth, WidthPolicyConfig
 from specdec.proposers import DraftModelProposer
 from specdec.speculation_cache import SpeculativeDrafter
@@ -52,6 +57,8 @@ class DraftWorker:
         # Branches of the speculation cache are sequences too, from the same KV budget:
         # slots for as many sequences as the core runs are kept, the rest hold branches.
         self.runner = load_runner(self.spec, max_num_seqs * (1 + width))
+        # A draft's graphs are small: compiled here, before the worker reports ready.
+        self.compile_seconds = warm_up(self.runner)
         self.drafter = SpeculativeDrafter(
             DraftModelProposer(self.runner, config.min_confidence),
             main_slots=min(max_num_seqs, self.runner.max_num_seqs),
@@ -79,7 +86,7 @@ class DraftWorker:
 
     @ray.method(concurrency_group="io")
     def ready(self) -> dict[str, Any]:
-        return worker_info(self.runner)
+        return {**worker_info(self.runner), "compile_seconds": self.compile_seconds}
 
     @ray.method(concurrency_group="io")
     def set_core(self, core, vocab_limit: int | None = None, num_seqs: int | None = None) -> None:

@@ -13,6 +13,7 @@ import ray
 import torch
 
 from deployments.config import ModelSpec
+from specdec.execution import EAGER, default_execution_mode, use_compile_cache
 from specdec.runner import ModelRunner
 
 logger = logging.getLogger("specserve.workers")
@@ -44,7 +45,10 @@ def load_runner(
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     device = _device(spec)
-    logger.info("loading %s (%s) on %s", spec.model, spec.dtype, device)
+    mode = spec.execution_mode or default_execution_mode(torch.device(device).type)
+    if mode != EAGER:
+        use_compile_cache(spec.compile_cache_dir)
+    logger.info("loading %s (%s) on %s, %s", spec.model, spec.dtype, device, mode)
     started = time.monotonic()
     runner = ModelRunner(
         spec.model,
@@ -58,6 +62,7 @@ def load_runner(
         kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
         defer_kv=defer_kv,
         kv_shared_with=kv_shared_with,
+        execution_mode=mode,
     )
     if not defer_kv:
         configure_thread(spec)  # after loading: from_pretrained may use the default device
@@ -84,6 +89,23 @@ def load_runner(
     return runner
 
 
+def warm_up(runner: ModelRunner) -> dict[str, float]:
+    """Compile the runner's graphs now (nothing when eager); logs and returns the seconds
+    each took, by pass shape, for the worker's info."""
+    if runner.execution_mode == EAGER:
+        return {}
+    started = time.monotonic()
+    seconds = {str(shape): round(s, 2) for shape, s in runner.warm_up().items()}
+    logger.info(
+        "%s: %d graphs ready in %.1f s (%s)",
+        runner.model.name_or_path,
+        len(seconds),
+        time.monotonic() - started,
+        ", ".join(f"{k}: {v} s" for k, v in seconds.items()),
+    )
+    return seconds
+
+
 def worker_info(runner: ModelRunner) -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     pg = ctx.get_placement_group_id()
@@ -94,5 +116,6 @@ def worker_info(runner: ModelRunner) -> dict[str, Any]:
         "vocab_size": runner.vocab_size,
         "max_model_len": runner.max_model_len,
         "device": str(runner.device),
+        "execution_mode": runner.execution_mode,
         "kv_cache": runner.kv_plan.as_dict(),
     }

@@ -1,0 +1,155 @@
+"""Compiled execution (specdec.execution): exact as eager, and no recompiles once warm.
+
+A compiled runner traces its model once per pass shape at warm-up; sizes (rows, queries,
+keys) are dynamic, and the runner canonicalises everything else, so rounds of any
+lengths, batch compositions, draft lengths and greedy/sampled mixes run the warm graphs.
+``torch._dynamo.config.error_on_recompile`` turns a recompile into a failure.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.execution import PassShape, compile_cache_dir, default_execution_mode
+from specdec.generate import generate_speculative
+from specdec.proposers import DraftModelProposer
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.sequence import SequenceState
+from tests.model_families import FAMILIES
+from tests.specdec.test_families import prompts, reference
+
+ALL_SHAPES = {PassShape(r, q) for r in (True, False) for q in (True, False)}
+
+
+def compiled(path: str, **kwargs) -> ModelRunner:
+    runner = ModelRunner(path, execution_mode="torch_compile", **kwargs)
+    assert runner.execution_mode == "torch_compile"
+    return runner
+
+
+@pytest.fixture(scope="module")
+def warm_pair(tiny_target, tiny_draft):
+    """A compiled target and draft (Llama, grouped-query heads), warmed up."""
+    target = compiled(tiny_target, max_num_seqs=6, max_model_len=256)
+    draft = compiled(tiny_draft, max_num_seqs=6, max_model_len=256)
+    for runner in (target, draft):
+        assert set(runner.warm_up()) == ALL_SHAPES
+        assert runner.num_seqs == 0  # the warm-up's sequences are gone
+    return target, draft
+
+
+def test_rounds_of_every_composition_never_recompile(warm_pair):
+    """Prompts of different lengths joining and leaving, verification of changing row
+    subsets (out of slot order), k from 0 to 6, greedy, sampled and seeded rows mixed,
+    rollbacks: all on the warm-up's graphs."""
+    target, draft = warm_pair
+    proposer = DraftModelProposer(draft, min_confidence=0.3)
+    rng = random.Random(0)
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=5, seed=11),
+    ]
+    live: dict[str, SequenceState] = {}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(40):
+            if len(live) < 5 and rng.random() < 0.5:  # a request joins
+                sid = f"s{step}"
+                prompt = [rng.randrange(3, 90) for _ in range(rng.randrange(2, 30))]
+                live[sid] = SequenceState(sid, prompt, kinds[step % 3], device=target.device)
+                target.prefill([sid], [prompt[:-1]])
+            if not live:
+                continue
+            rows = rng.sample(sorted(live), rng.randint(1, len(live)))
+            k = rng.randint(0, 6)
+            seqs = [live[sid] for sid in rows]
+            proposal = proposer.propose(seqs, k)
+            counts = proposal.host_num_draft_tokens
+            drafts = proposal.host_draft_token_ids
+            feed = [[s.last_token_id, *d[:n]] for s, d, n in zip(seqs, drafts, counts)]
+            starts = [target.length(sid) for sid in rows]
+            logits = target.forward(rows, feed)
+            assert [t.shape[0] for t in logits] == [len(f) for f in feed]
+            accepted = [rng.randint(0, n) for n in counts]
+            proposer.observe(seqs, accepted)
+            for sid, seq, start, a, f in zip(rows, seqs, starts, accepted, feed):
+                target.rollback(sid, start + 1 + a)
+                seq.append(f[1 : 1 + a] + [int(rng.randrange(3, 90))], None)
+            if len(live) > 2 and rng.random() < 0.3:  # a request leaves
+                sid = rng.choice(sorted(live))
+                target.free(sid)
+                proposer.free(sid)
+                del live[sid]
+    for sid in list(live):
+        target.free(sid)
+        proposer.free(sid)
+    assert target.compile_seconds.keys() == ALL_SHAPES and not target._compiled.eager_shapes
+
+
+def test_compiled_logits_equal_eager(warm_pair, tiny_target):
+    """The same ragged passes through the graphs and eagerly: the same logits."""
+    target, _ = warm_pair
+    eager = ModelRunner(tiny_target, max_num_seqs=6, max_model_len=256)
+    for runner in (target, eager):
+        runner.prefill(["a", "b"], [list(range(5, 25)), list(range(9, 16))])
+    passes = [
+        (["a"], [[7]]),
+        (["b", "a"], [[7], [8]]),
+        (["a", "b"], [[7, 3, 4], [8]]),
+        (["b"], [[7, 3, 4, 5, 6]]),
+    ]
+    try:
+        for ids, tokens in passes:
+            got = target.forward(ids, tokens)
+            want = eager.forward(ids, tokens)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    finally:
+        for runner in (target, eager):
+            for sid in ("a", "b"):
+                runner.free(sid)
+
+
+COMPILED_FAMILIES = ["llama3", "qwen2.5", "mistral", "gpt2", "deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", COMPILED_FAMILIES)
+def test_compiled_family_greedy_equals_generate(name, family_models):
+    """Speculative decoding on compiled graphs gives transformers' greedy output, for
+    families with grouped-query heads, mixed sliding and full layers (Qwen 2.5's config
+    as built here), one window (Mistral), learned positions (GPT-2) and latent attention
+    with keys and values of different sizes (DeepSeek-V3)."""
+    assert set(COMPILED_FAMILIES) <= set(FAMILIES)
+    target_dir, draft_dir, tok_dir = family_models[name]
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    target = compiled(target_dir, max_model_len=512, max_num_seqs=2)
+    draft = compiled(draft_dir, max_model_len=512, max_num_seqs=2)
+    proposer = DraftModelProposer(
+        draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
+    )
+    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    accepted = 0
+    for prompt in prompts(tokenizer)[:2]:
+        ref = reference(hf, prompt, new_tokens=16)
+        spec = generate_speculative(target, proposer, prompt, params, 4)
+        assert spec.token_ids == ref, name
+        accepted += spec.num_accepted
+    assert accepted > 0
+    assert target.compile_seconds and not target._compiled.eager_shapes
+
+
+def test_settings_and_cache_dir(tmp_path, tiny_draft):
+    with pytest.raises(ValueError, match="execution_mode"):
+        ModelRunner(tiny_draft, execution_mode="fast")
+    assert default_execution_mode("cpu") == "torch_compile"
+    assert default_execution_mode("cuda") == "eager"
+    path = compile_cache_dir(tmp_path)
+    assert path.parent == tmp_path and torch.__version__.split("+")[0] in path.name
+    eager = ModelRunner(tiny_draft)
+    assert eager.execution_mode == "eager" and eager.warm_up() == {}
