@@ -54,7 +54,12 @@ class CountingCore(EngineCore):
 
 def core_config(batch: int) -> EngineCoreConfig:
     def spec(name: str) -> dict:
-        return ModelSpec(model=str(MODELS / name), num_threads=1).model_dump()
+        # Eager: the counter is a TorchFunctionMode, which a compiled graph would trace
+        # into itself; the reads it counts are the Python code around the forward, the
+        # same in both modes (a graph has none: it runs as one call).
+        return ModelSpec(
+            model=str(MODELS / name), num_threads=1, execution_mode="eager"
+        ).model_dump()
 
     return EngineCoreConfig(
         spec=spec("demo-target"),

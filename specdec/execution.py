@@ -21,6 +21,7 @@ A graph that fails to compile leaves that shape eager (logged), the rest compile
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch.fx.experimental import _config as fx_config
 
 logger = logging.getLogger("specserve.execution")
 
@@ -100,17 +102,11 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module, name: str):
         self.name = name
         self._eager = model.forward
-        # fullgraph: a graph break is a compile failure (then eager for that shape), not
-        # a silent split into pieces with Python between them.
+        # fullgraph: a graph break is a failure (then eager for that shape), not a silent
+        # split into pieces with Python between them.
         self._compiled = torch.compile(model.forward, fullgraph=True)
         self.compile_seconds: dict[PassShape, float] = {}  # shape -> first call's time [s]
         self.eager_shapes: set[PassShape] = set()  # shapes whose graph failed to compile
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, _GRAPHS_PER_PROCESS)
-        # No duck shaping: sizes that happen to be equal when a graph is traced (a prefill
-        # from position 0 has as many queries as keys) stay separate symbols, so the graph
-        # does not assume they always are.
-        torch.fx.experimental._config.use_duck_shape = False
 
     def __call__(
         self, shape: PassShape, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], **kwargs
@@ -120,18 +116,39 @@ class CompiledForward:
         for tensor, dims in dynamic:
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        if shape in self.compile_seconds:
-            return self._compiled(**kwargs)
         start = time.perf_counter()
         try:
-            out = self._compiled(**kwargs)
-        except Exception as exc:  # any compile failure: this shape runs eager
+            with _compile_settings():
+                out = self._compiled(**kwargs)
+        except Exception as exc:  # a graph that could not be made: this shape runs eager
+            # (an error of the model itself is raised again by the eager call)
             self.eager_shapes.add(shape)
-            logger.warning(
-                "%s: %s stays eager (its graph failed to compile): %r", self.name, shape, exc
-            )
+            logger.warning("%s: %s runs eager, its graph failed: %r", self.name, shape, exc)
             return self._eager(**kwargs)
-        seconds = time.perf_counter() - start
-        self.compile_seconds[shape] = seconds
-        logger.info("%s: compiled %s in %.1f s", self.name, shape, seconds)
+        if shape not in self.compile_seconds:
+            seconds = time.perf_counter() - start
+            self.compile_seconds[shape] = seconds
+            logger.info("%s: compiled %s in %.1f s", self.name, shape, seconds)
         return out
+
+
+def _compile_settings():
+    """torch's tracing settings for these graphs, applied around each call (they take
+    effect when a call compiles; nothing else in the process sees them):
+
+    - no automatic dynamic sizes: the sizes that vary are marked; a target and a draft of
+      one family share their forward's code, and the draft's other widths must give it
+      graphs of its own, not turn the target's widths into symbols;
+    - no duck shaping: sizes equal when a graph is traced (a prefill from position 0 has
+      as many queries as keys) stay separate symbols, so the graph does not assume they
+      always are;
+    - room for every model's graphs under the one code object they share.
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(
+        torch._dynamo.config.patch(
+            automatic_dynamic_shapes=False, recompile_limit=_GRAPHS_PER_PROCESS
+        )
+    )
+    stack.enter_context(fx_config.patch(use_duck_shape=False))
+    return stack

@@ -70,7 +70,9 @@ class CountingDraftWorker(DraftWorker):
 def test_draft_worker_rounds_read_the_device_a_constant_number_of_times(batch, name):
     """The actor shape's draft: round messages in, drafts (and sampled rows' q, encoded
     for the wire) out, as the compiled-graph transport calls it."""
-    spec = ModelSpec(model=str(MODELS / "demo-draft"), num_threads=1).model_dump()
+    spec = ModelSpec(  # eager, as bench.syncs.core_config says why
+        model=str(MODELS / "demo-draft"), num_threads=1, execution_mode="eager"
+    ).model_dump()
     worker = CountingDraftWorker(
         DraftWorkerConfig(spec, batch, 0, False, transport="compiled_graph", min_confidence=0.5)
     )

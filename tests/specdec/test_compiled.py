@@ -71,15 +71,15 @@ def test_rounds_of_every_composition_never_recompile(warm_pair):
             proposal = proposer.propose(seqs, k)
             counts = proposal.host_num_draft_tokens
             drafts = proposal.host_draft_token_ids
-            feed = [[s.last_token_id, *d[:n]] for s, d, n in zip(seqs, drafts, counts)]
+            feed = [[s.last_token_id, *d[:n]] for s, d, n in zip(seqs, drafts, counts, strict=True)]
             starts = [target.length(sid) for sid in rows]
             logits = target.forward(rows, feed)
             assert [t.shape[0] for t in logits] == [len(f) for f in feed]
             accepted = [rng.randint(0, n) for n in counts]
             proposer.observe(seqs, accepted)
-            for sid, seq, start, a, f in zip(rows, seqs, starts, accepted, feed):
+            for sid, seq, start, a, f in zip(rows, seqs, starts, accepted, feed, strict=True):
                 target.rollback(sid, start + 1 + a)
-                seq.append(f[1 : 1 + a] + [int(rng.randrange(3, 90))], None)
+                seq.append([*f[1 : 1 + a], rng.randrange(3, 90)], None)
             if len(live) > 2 and rng.random() < 0.3:  # a request leaves
                 sid = rng.choice(sorted(live))
                 target.free(sid)
@@ -107,7 +107,7 @@ def test_compiled_logits_equal_eager(warm_pair, tiny_target):
         for ids, tokens in passes:
             got = target.forward(ids, tokens)
             want = eager.forward(ids, tokens)
-            for g, w in zip(got, want):
+            for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     finally:
         for runner in (target, eager):
