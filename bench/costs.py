@@ -12,6 +12,12 @@ median over reps of the ratio within a rep (a shared machine drifts between reps
   candidates the speculation cache uses, KV resynchronisation included) against a bare
   step of the draft model.
 
+Each is measured for both execution modes (``eager``, ``torch_compile``: the runner's
+graphs, warmed up before the reps) and against two bare steps: eager, and gpt-fast's
+recipe (a static cache, the forward compiled whole with ``torch.compile``). The ratios that
+decide ``specdec.execution``'s default are ``*_compiled_vs_worker`` (below 1: compiled is
+faster), and the one a draft token must keep is ``draft_compiled_vs_bare_compiled``.
+
 One torch thread, as the demo config runs the workers; the dtype the demo config serves.
 """
 
@@ -22,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from bench.common import median, write_result
 from specdec.proposers import DraftModelProposer
@@ -50,9 +56,34 @@ def bare_steps(path: Path, prompt: list[int], steps: int, dtype) -> float:
     return median(times[2:])
 
 
-def target_steps(path: Path, prompt: list[int], steps: int, dtype: str) -> float:
+def bare_compiled_steps(path: Path, prompt: list[int], steps: int, dtype) -> float:
+    """Median seconds of one bare decode step as gpt-fast runs it: a static cache and the
+    model's forward compiled whole (its first steps, which compile, are left out)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    cache = StaticCache(config=model.config, max_cache_len=len(prompt) + steps + 1)
+    positions = torch.arange(len(prompt))
+    out = model(torch.tensor([prompt]), past_key_values=cache, cache_position=positions)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+    forward = torch.compile(model.forward, fullgraph=True)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        position = torch.tensor([len(prompt) + i])  # [1]
+        out = forward(input_ids=token, past_key_values=cache, cache_position=position)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        times.append(time.perf_counter() - t0)
+    return median(times[2:])
+
+
+def runner_for(path: Path, dtype: str, mode: str) -> ModelRunner:
+    """A worker's runner; compiled ones warmed up (graphs built before any timing)."""
+    runner = ModelRunner(str(path), dtype=dtype, max_num_seqs=4, execution_mode=mode)
+    runner.warm_up()
+    return runner
+
+
+def target_steps(runner: ModelRunner, prompt: list[int], steps: int) -> float:
     """Median seconds of one target-only step of the engine core's path."""
-    runner = ModelRunner(str(path), dtype=dtype, max_num_seqs=4)
     runner.add("seq")
     token = int(runner.forward_padded(["seq"], [prompt], last_only=True)[0].argmax())
     times = []
@@ -64,12 +95,13 @@ def target_steps(path: Path, prompt: list[int], steps: int, dtype: str) -> float
         runner.rollback("seq", cached + 1 + accepted)
         token = tokens[-1]
         times.append(time.perf_counter() - t0)
+    runner.free("seq")
     return median(times[2:])
 
 
-def draft_steps(path: Path, prompt: list[int], rounds: int, k: int, dtype: str) -> float:
+def draft_steps(runner: ModelRunner, prompt: list[int], rounds: int, k: int) -> float:
     """Median seconds per draft token of ``propose`` (k tokens, one accepted per round)."""
-    proposer = DraftModelProposer(ModelRunner(str(path), dtype=dtype, max_num_seqs=4))
+    proposer = DraftModelProposer(runner)
     seq = SequenceState("seq", list(prompt), GREEDY)
     times = []
     for _ in range(rounds):
@@ -77,6 +109,7 @@ def draft_steps(path: Path, prompt: list[int], rounds: int, k: int, dtype: str) 
         prop = proposer.propose([seq], k, 4)
         times.append((time.perf_counter() - t0) / k)
         seq.output_token_ids.append(int(prop.draft_token_ids[0, 0]))
+    proposer.free("seq")
     return median(times[2:])
 
 
@@ -85,28 +118,45 @@ def run(args) -> dict:
     torch.set_grad_enabled(False)
     dtype = getattr(torch, args.dtype)
     prompt = list(range(5, 5 + args.prompt_len))
-    samples = {"target_bare": [], "target_worker": [], "draft_bare": [], "draft_worker": []}
+    paths = {"target": MODELS / "demo-target", "draft": MODELS / "demo-draft"}
+    started = time.perf_counter()
+    runners = {
+        (model, mode): runner_for(path, args.dtype, mode)
+        for model, path in paths.items()
+        for mode in ("eager", "torch_compile")
+    }
+    warm_up_s = round(time.perf_counter() - started, 1)
+    samples: dict[str, list[float]] = {
+        f"{model}_{kind}": []
+        for model in paths
+        for kind in ("bare", "bare_compiled", "worker", "compiled")
+    }
     for _ in range(args.reps):
-        samples["target_bare"].append(bare_steps(MODELS / "demo-target", prompt, 40, dtype))
-        samples["target_worker"].append(
-            target_steps(MODELS / "demo-target", prompt, 40, args.dtype)
-        )
-        samples["draft_bare"].append(bare_steps(MODELS / "demo-draft", prompt, 40, dtype))
-        samples["draft_worker"].append(
-            draft_steps(MODELS / "demo-draft", prompt, 20, args.k, args.dtype)
-        )
+        for model, path in paths.items():
+            samples[f"{model}_bare"].append(bare_steps(path, prompt, 40, dtype))
+            samples[f"{model}_bare_compiled"].append(bare_compiled_steps(path, prompt, 40, dtype))
+            for kind, mode in (("worker", "eager"), ("compiled", "torch_compile")):
+                runner = runners[model, mode]
+                samples[f"{model}_{kind}"].append(
+                    target_steps(runner, prompt, 40)
+                    if model == "target"
+                    else draft_steps(runner, prompt, 20, args.k)
+                )
     ms = {name: round(median(v) * 1e3, 3) for name, v in samples.items()}
 
-    def ratio(model: str) -> float:  # median over reps of the ratio within a rep
-        pairs = zip(samples[f"{model}_worker"], samples[f"{model}_bare"], strict=True)
-        return round(median([w / b for w, b in pairs]), 3)
+    def ratio(a: str, b: str) -> float:  # median over reps of the ratio within a rep
+        return round(median([x / y for x, y in zip(samples[a], samples[b], strict=True)]), 3)
 
+    pairs = [("worker", "bare"), ("compiled", "worker"), ("compiled", "bare_compiled")]
+    pairs.append(("bare_compiled", "bare"))
     return {
         "ms_per_token": ms,
         "ratios": {
-            "target_worker_vs_bare": ratio("target"),
-            "draft_worker_vs_bare": ratio("draft"),
+            f"{model}_{a}_vs_{b}": ratio(f"{model}_{a}", f"{model}_{b}")
+            for model in paths
+            for a, b in pairs
         },
+        "warm_up_s": warm_up_s,
         "samples_ms": {n: [round(x * 1e3, 3) for x in v] for n, v in samples.items()},
     }
 
@@ -118,13 +168,15 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ms, r = results["ms_per_token"], results["ratios"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    kinds = ("bare", "bare_compiled", "worker", "compiled")
+    labels = ["bare eager", "bare compiled", "SpecServe eager", "SpecServe compiled"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, model in zip(axes, ("target", "draft"), strict=True):
-        ax.bar(
-            ["bare transformers", "SpecServe worker"], [ms[f"{model}_bare"], ms[f"{model}_worker"]]
-        )
+        ax.bar(labels, [ms[f"{model}_{k}"] for k in kinds])
+        ax.tick_params(axis="x", labelsize=8)
         ax.set(
-            title=f"{model}: worker / bare = {r[f'{model}_worker_vs_bare']}x",
+            title=f"{model}: compiled / eager = {r[f'{model}_compiled_vs_worker']}x, "
+            f"/ bare compiled = {r[f'{model}_compiled_vs_bare_compiled']}x",
             ylabel="ms per token (median)",
         )
     fig.tight_layout()

@@ -4,7 +4,8 @@ their smallest setting, writing their JSON (and PNG) to a tmp_path, never bench/
 
 What runs, per module (each a few seconds on 2 cores):
 
-* ``bench.costs``: ``main`` with one rep and an 8-token prompt (demo pair, one process);
+* ``bench.costs``: ``main`` with one rep and an 8-token prompt (demo pair, one process,
+  eager and compiled);
 * ``bench.pair``: ``main`` with one prompt per domain, 4 tokens, 2 timing reps;
 * ``bench.heldout``: its prompt sources (pure);
 * ``bench.ttft``: its in-process part, the target's prefill time (``prefill_ms``);
@@ -104,13 +105,9 @@ def test_costs_smallest(results, monkeypatch):
     )
     assert payload["settings"]["reps"] == 1
     out = payload["results"]
-    assert set(out["ms_per_token"]) == {
-        "target_bare",
-        "target_worker",
-        "draft_bare",
-        "draft_worker",
-    }
-    assert set(out["ratios"]) == {"target_worker_vs_bare", "draft_worker_vs_bare"}
+    kinds = ("bare", "bare_compiled", "worker", "compiled")
+    assert set(out["ms_per_token"]) == {f"{m}_{k}" for m in ("target", "draft") for k in kinds}
+    assert {"target_compiled_vs_worker", "draft_compiled_vs_bare_compiled"} <= set(out["ratios"])
     assert all(len(v) == 1 for v in out["samples_ms"].values())
     assert all(x > 0 for x in numbers(out))
 
