@@ -304,6 +304,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip transformers + compile")
+    ap.add_argument(
+        "--execution-mode",
+        default="eager",
+        choices=["eager", "torch_compile"],
+        help="how SpecServe's runners execute (specdec.execution); compiled ones warm up first",
+    )
     args = ap.parse_args(argv)
     if max(args.ks) < 1 or not all(0 < a < 1 for a in args.alphas):
         ap.error("speculation needs some k >= 1 in --ks and every --alphas in (0, 1)")
@@ -337,9 +343,20 @@ def main(argv=None) -> None:
     save("bandwidth")
     length = served_length(args)
     target, draft = (
-        ModelRunner(m, device=args.device, max_num_seqs=max(args.batches), max_model_len=length)
+        ModelRunner(
+            m,
+            device=args.device,
+            max_num_seqs=max(args.batches),
+            max_model_len=length,
+            execution_mode=args.execution_mode,
+        )
         for m in models
     )
+    results["compile_s"] = {
+        name: {str(shape): s for shape, s in runner.warm_up().items()}
+        for name, runner in (("target", target), ("draft", draft))
+    }
+    save("warm-up")
     bw = results["bandwidth_gb_s"] * 1e9
     results["passes"] = measure_passes(target, draft, args, gen, bw)
     save("passes")

@@ -26,6 +26,7 @@ DEMO_PROMPT = (
 def wait_healthy(url: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
+    said = None
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
@@ -33,6 +34,9 @@ def wait_healthy(url: str, timeout_s: float) -> dict:
                 if body.get("status") == "ok":
                     return body
                 last = json.dumps(body)
+                if body.get("status") == "warming" and said != "warming":
+                    said = "warming"  # the first start compiles; a restart reads the cache
+                    print("warming up: compiling the models' graphs (see the replica's log)")
         except urllib.error.HTTPError as exc:
             last = f"HTTP {exc.code}: {exc.read().decode()[:200]}"
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:

@@ -84,20 +84,22 @@ class RowSpans:
         ``[batch | 1, 1, n, kv_len]`` bool (True = may attend), or None with
         ``is_causal`` telling SDPA to mask the upper triangle itself."""
         n = self.query_positions.shape[-1]
-        within_window = layer_type != SLIDING or self.kv_len <= self.layout.sliding_window
         if self.per_row_masks:
-            if n == 1 and self.query_positions.shape[0] == 1 and within_window:
+            # A compiled pass decides from its graph's static sizes alone: no comparison
+            # of kv_len (a dynamic size: each would be a guard, and a recompile once a
+            # context outgrows a sliding window).
+            if layer_type != SLIDING and n == 1 and self.query_positions.shape[0] == 1:
                 return None, False
-        elif self.same_start and within_window:
+        elif self.same_start and (
+            layer_type != SLIDING or self.kv_len <= self.layout.sliding_window
+        ):
             if n == 1:  # one query per row at the common end: every key is its prefix
                 return None, False
             if n == self.kv_len:  # from position 0: plain causal (a padded query reads
                 # past its row's end, but its logits are never used)
                 return None, True
         if layer_type not in self._masks:
-            one = (
-                not self.per_row_masks and self.same_start
-            )  # (a compiled pass never reads same_start)
+            one = not self.per_row_masks and self.same_start  # (compiled: never read)
             rows = self.query_positions[:1] if one else self.query_positions
             masks = build_masks(self.layout, rows, self.kv_len)
             self._masks[layer_type] = masks[layer_type] if isinstance(masks, dict) else masks

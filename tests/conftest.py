@@ -16,6 +16,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+# What the model specs of tests about other things than compiled execution carry: eager
+# forwards (the reference), so that a replica starts in seconds. The compiled path has its
+# own tests (tests/specdec/test_compiled.py, tests/deployments/test_warm_up.py), and the
+# shipped demo.yaml runs it as users get it (tests/clients/, test_serve_deploy.py).
+EAGER = {"execution_mode": "eager"}
 VOCAB = 96
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = str(ROOT / "models" / "demo-target")
@@ -113,6 +118,24 @@ def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
     path = tmp_path_factory.mktemp("gpt2-draft")
     model.save_pretrained(path)
     return str(path)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="torch device the model-running specdec tests use (cpu, cuda): "
+        "`pytest tests/specdec --device cuda` on a GPU machine (no Ray needed)",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> str:
+    """The ``--device`` the specdec tests put their runners and references on."""
+    name = pytestconfig.getoption("--device")
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {name}: this machine has no CUDA device")
+    return name
 
 
 def free_port() -> int:

@@ -326,8 +326,9 @@ class EngineCore:
         """Compile the target's graphs, and a colocated draft's, before the first round."""
         try:
             for name, runner in (("target", self.runner), ("draft", self.draft_runner)):
-                if runner is not None:
-                    self.compile_seconds[name] = warm_up(runner)
+                seconds = warm_up(runner) if runner is not None else {}
+                if seconds:  # (nothing when eager)
+                    self.compile_seconds[name] = seconds
         finally:
             self.warming = False
 

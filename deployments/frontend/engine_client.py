@@ -476,7 +476,10 @@ class EngineClient:
             if error:
                 self._fail(f"engine failure: {error}")
                 return
-            if not outs or time.monotonic() - self._core_health_at > HEALTH_EVERY_S:
+            # While the core warms up its figures are read at every poll, so /health says
+            # "ok" as soon as the first outputs show the warm-up is over.
+            warming = self._core_health.get("warming", False)
+            if not outs or warming or time.monotonic() - self._core_health_at > HEALTH_EVERY_S:
                 self._core_health_at = time.monotonic()
                 await self._refresh_health()
 

@@ -26,7 +26,7 @@ import yaml
 
 from deployments.config import AppConfig, WorkerResources
 from deployments.placement import placement_for
-from tests.conftest import ROOT, free_port
+from tests.conftest import EAGER, ROOT, free_port
 from tests.deployments.test_cluster_configs import serve_configs
 
 SERVE = str(Path(sys.executable).parent / "serve")
@@ -65,8 +65,9 @@ def local_shape(config: dict[str, Any], port: int) -> dict[str, Any]:
     (app,) = config["applications"]
     args = app["args"]
     engine = args["engine"]
-    engine["target"] = dict(DEMO_ENGINE["target"])
-    engine["draft"] = dict(DEMO_ENGINE["draft"])
+    # eager: these deployments are about placement (demo.yaml compiled: test_serve_deploy)
+    engine["target"] = {**DEMO_ENGINE["target"], **EAGER}
+    engine["draft"] = {**DEMO_ENGINE["draft"], **EAGER}
     engine["engine_resources"] = local_resources(engine.get("engine_resources", {}), None, 0.5)
     for role in ("target", "draft"):
         key = f"{role}_resources"

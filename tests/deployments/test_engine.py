@@ -17,7 +17,7 @@ from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for
-from tests.conftest import DEMO_DRAFT, DEMO_TARGET
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET, EAGER
 
 PROMPTS = [
     [5, 9, 14],
@@ -42,8 +42,8 @@ def config(target, draft, shape="actor", **kw):
     """``target``/``draft``: a model path, or a whole ModelSpec dict; ``shape``: the
     draft's placement (``colocated``: in the core's process, so sequential mode)."""
     base = {
-        "target": target if isinstance(target, dict) else {"model": target},
-        "draft": draft if isinstance(draft, dict) else {"model": draft},
+        "target": {**EAGER, **(target if isinstance(target, dict) else {"model": target})},
+        "draft": {**EAGER, **(draft if isinstance(draft, dict) else {"model": draft})},
         "scheduler": {"max_num_seqs": 4},
         "target_resources": {"num_cpus": 1},
         "draft_resources": {"num_cpus": 1},

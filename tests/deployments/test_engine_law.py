@@ -58,6 +58,7 @@ from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for
 from specdec.sequence import SequenceState
 from specdec.verify import VerifyRow, sample_next, verify_rows
+from tests.conftest import EAGER
 from tests.specdec.test_joint_law import (
     binned_chisquare,
     twin_bonus_from_p_k,
@@ -170,8 +171,8 @@ def engine_run(request, ray_local, tiny_target, tiny_draft):
     cfg = EngineConfig.model_validate(
         {
             "draft_placement": request.param,
-            "target": {"model": tiny_target},
-            "draft": {"model": tiny_draft},
+            "target": {"model": tiny_target, **EAGER},
+            "draft": {"model": tiny_draft, **EAGER},
             "scheduler": {"max_num_seqs": 16, "max_waiting": 10_000},
             "target_resources": {"num_cpus": 1},
             "draft_resources": {"num_cpus": 1},

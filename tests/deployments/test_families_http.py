@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.app import build_specserve_app
 from deployments.config import AppConfig
+from tests.conftest import EAGER
 from tests.model_families import FAMILIES, build_family, build_tokenizer
 from tests.specdec.test_families import prompts, reference
 
@@ -33,12 +34,14 @@ def family_app(name: str, target: str, draft: str, tokenizer: str, draft_tokeniz
                     "tokenizer": tokenizer,
                     "num_threads": 1,
                     "max_model_len": 512,
+                    **EAGER,
                 },
                 "draft": {
                     "model": draft,
                     "tokenizer": draft_tokenizer or tokenizer,
                     "num_threads": 1,
                     "max_model_len": 512,
+                    **EAGER,
                 },
                 "served_model_name": name,
                 "engine_resources": {"num_cpus": 0.5},

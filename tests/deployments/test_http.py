@@ -23,7 +23,7 @@ from deployments.config import AppConfig
 from specdec.generate import generate_autoregressive
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
-from tests.conftest import DEMO_DRAFT, DEMO_TARGET, ROOT, free_port
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET, EAGER, ROOT, free_port
 
 MODEL = "demo-target"
 METRICS_PORT = free_port()
@@ -32,8 +32,8 @@ PROMPT = "import os\n\ndef read_config(path):\n"
 
 def engine_args(**kw):
     args = {
-        "target": {"model": DEMO_TARGET, "num_threads": 1},
-        "draft": {"model": DEMO_DRAFT, "num_threads": 1},
+        "target": {"model": DEMO_TARGET, "num_threads": 1, **EAGER},
+        "draft": {"model": DEMO_DRAFT, "num_threads": 1, **EAGER},
         "engine_resources": {"num_cpus": 0.5},
         "target_resources": {"num_cpus": 1},
         "draft_resources": {"num_cpus": 1},

@@ -8,14 +8,15 @@ from deployments.config import AppConfig, EngineConfig
 from specdec.generate import generate_autoregressive
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
+from tests.conftest import EAGER
 
 
 @pytest.fixture(scope="module")
 def serve_engine(serve_http, tiny_target, tiny_draft):
     cfg = EngineConfig.model_validate(
         {
-            "target": {"model": tiny_target},
-            "draft": {"model": tiny_draft},
+            "target": {"model": tiny_target, **EAGER},
+            "draft": {"model": tiny_draft, **EAGER},
             "engine_resources": {"num_cpus": 0.5},
             "target_resources": {"num_cpus": 1},
             "draft_resources": {"num_cpus": 1},

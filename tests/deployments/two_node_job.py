@@ -18,8 +18,8 @@ async def main(address: str, target: str, draft: str) -> None:
     ray.init(address=address, log_to_driver=False)
     cfg = EngineConfig.model_validate(
         {
-            "target": {"model": target},
-            "draft": {"model": draft},
+            "target": {"model": target, "execution_mode": "eager"},
+            "draft": {"model": draft, "execution_mode": "eager"},
             "placement_strategy": "STRICT_SPREAD",
             "engine_resources": {"num_cpus": 0},
             "target_resources": {"num_cpus": 1, "resources": {"target": 1}},

@@ -28,7 +28,7 @@ from deployments.config import AppConfig
 from monitoring.alertmanager import ALERT_NAME, AlertmanagerPush
 from monitoring.drift import DriftEvent
 from monitoring.stack import Stack, free_port
-from tests.conftest import DEMO_TARGET, ROOT
+from tests.conftest import DEMO_TARGET, EAGER, ROOT
 
 DOMAIN = "tenant-a"
 DRIFT_DRAFT = str(ROOT / "models" / "demo-draft-python")
@@ -139,8 +139,8 @@ def drift_app(serve_http):
     cfg = AppConfig.model_validate(
         {
             "engine": {
-                "target": {"model": DEMO_TARGET, "num_threads": 1},
-                "draft": {"model": DRIFT_DRAFT, "num_threads": 1},
+                "target": {"model": DEMO_TARGET, "num_threads": 1, **EAGER},
+                "draft": {"model": DRIFT_DRAFT, "num_threads": 1, **EAGER},
                 "engine_resources": {"num_cpus": 0.5},
                 "target_resources": {"num_cpus": 1},
                 "draft_resources": {"num_cpus": 1},

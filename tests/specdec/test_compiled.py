@@ -33,68 +33,86 @@ def compiled(path: str, **kwargs) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def warm_pair(tiny_target, tiny_draft):
+def warm_pair(tiny_target, tiny_draft, device):
     """A compiled target and draft (Llama, grouped-query heads), warmed up."""
-    target = compiled(tiny_target, max_num_seqs=6, max_model_len=256)
-    draft = compiled(tiny_draft, max_num_seqs=6, max_model_len=256)
+    target = compiled(tiny_target, max_num_seqs=6, max_model_len=256, device=device)
+    draft = compiled(tiny_draft, max_num_seqs=6, max_model_len=256, device=device)
     for runner in (target, draft):
         assert set(runner.warm_up()) == ALL_SHAPES
         assert runner.num_seqs == 0  # the warm-up's sequences are gone
     return target, draft
 
 
-def test_rounds_of_every_composition_never_recompile(warm_pair):
-    """Prompts of different lengths joining and leaving, verification of changing row
-    subsets (out of slot order), k from 0 to 6, greedy, sampled and seeded rows mixed,
-    rollbacks: all on the warm-up's graphs."""
-    target, draft = warm_pair
+def run_rounds(target: ModelRunner, draft: ModelRunner, steps: int, seed: int) -> None:
+    """Requests with prompts of 2-30 tokens joining and leaving, verification of changing
+    row subsets (out of slot order), k from 0 to 6, greedy, sampled and seeded rows mixed,
+    random acceptance and rollbacks; every sequence freed at the end."""
     proposer = DraftModelProposer(draft, min_confidence=0.3)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     kinds = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.0, top_p=0.9),
         SamplingParams(temperature=0.7, top_k=5, seed=11),
     ]
     live: dict[str, SequenceState] = {}
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for step in range(40):
-            if len(live) < 5 and rng.random() < 0.5:  # a request joins
-                sid = f"s{step}"
-                prompt = [rng.randrange(3, 90) for _ in range(rng.randrange(2, 30))]
-                live[sid] = SequenceState(sid, prompt, kinds[step % 3], device=target.device)
-                target.prefill([sid], [prompt[:-1]])
-            if not live:
-                continue
-            rows = rng.sample(sorted(live), rng.randint(1, len(live)))
-            k = rng.randint(0, 6)
-            seqs = [live[sid] for sid in rows]
-            proposal = proposer.propose(seqs, k)
-            counts = proposal.host_num_draft_tokens
-            drafts = proposal.host_draft_token_ids
-            feed = [[s.last_token_id, *d[:n]] for s, d, n in zip(seqs, drafts, counts, strict=True)]
-            starts = [target.length(sid) for sid in rows]
-            logits = target.forward(rows, feed)
-            assert [t.shape[0] for t in logits] == [len(f) for f in feed]
-            accepted = [rng.randint(0, n) for n in counts]
-            proposer.observe(seqs, accepted)
-            for sid, seq, start, a, f in zip(rows, seqs, starts, accepted, feed, strict=True):
-                target.rollback(sid, start + 1 + a)
-                seq.append([*f[1 : 1 + a], rng.randrange(3, 90)], None)
-            if len(live) > 2 and rng.random() < 0.3:  # a request leaves
-                sid = rng.choice(sorted(live))
-                target.free(sid)
-                proposer.free(sid)
-                del live[sid]
+    for step in range(steps):
+        if len(live) < 5 and rng.random() < 0.5:  # a request joins
+            sid = f"s{step}"
+            prompt = [rng.randrange(3, 90) for _ in range(rng.randrange(2, 30))]
+            live[sid] = SequenceState(sid, prompt, kinds[step % 3], device=target.device)
+            target.prefill([sid], [prompt[:-1]])
+        if not live:
+            continue
+        rows = rng.sample(sorted(live), rng.randint(1, len(live)))
+        seqs = [live[sid] for sid in rows]
+        proposal = proposer.propose(seqs, rng.randint(0, 6))
+        counts = proposal.host_num_draft_tokens
+        drafts = proposal.host_draft_token_ids
+        feed = [[s.last_token_id, *d[:n]] for s, d, n in zip(seqs, drafts, counts, strict=True)]
+        starts = [target.length(sid) for sid in rows]
+        logits = target.forward(rows, feed)
+        assert [t.shape[0] for t in logits] == [len(f) for f in feed]
+        accepted = [rng.randint(0, n) for n in counts]
+        proposer.observe(seqs, accepted)
+        for sid, seq, start, a, f in zip(rows, seqs, starts, accepted, feed, strict=True):
+            target.rollback(sid, start + 1 + a)
+            seq.append([*f[1 : 1 + a], rng.randrange(3, 90)], None)
+        if len(live) > 2 and rng.random() < 0.3:  # a request leaves
+            sid = rng.choice(sorted(live))
+            target.free(sid)
+            proposer.free(sid)
+            del live[sid]
     for sid in list(live):
         target.free(sid)
         proposer.free(sid)
-    assert target.compile_seconds.keys() == ALL_SHAPES and not target._compiled.eager_shapes
 
 
-def test_compiled_logits_equal_eager(warm_pair, tiny_target):
+def test_rounds_of_every_composition_never_recompile(warm_pair):
+    target, draft = warm_pair
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        run_rounds(target, draft, steps=40, seed=0)
+    for runner in warm_pair:
+        assert runner.compile_seconds.keys() == ALL_SHAPES
+        assert not runner._compiled.eager_shapes
+
+
+def test_rounds_past_a_sliding_window_never_recompile(family_models, device):
+    """Mistral's window (12 here) is crossed by every sequence: still the same graphs."""
+    target_dir, draft_dir, _ = family_models["mistral"]
+    target = compiled(target_dir, max_num_seqs=6, max_model_len=256, device=device)
+    draft = compiled(draft_dir, max_num_seqs=6, max_model_len=256, device=device)
+    for runner in (target, draft):
+        assert runner.attention.has_sliding
+        assert set(runner.warm_up()) == ALL_SHAPES
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        run_rounds(target, draft, steps=40, seed=1)
+    assert not target._compiled.eager_shapes
+
+
+def test_compiled_logits_equal_eager(warm_pair, tiny_target, device):
     """The same ragged passes through the graphs and eagerly: the same logits."""
     target, _ = warm_pair
-    eager = ModelRunner(tiny_target, max_num_seqs=6, max_model_len=256)
+    eager = ModelRunner(tiny_target, max_num_seqs=6, max_model_len=256, device=device)
     for runner in (target, eager):
         runner.prefill(["a", "b"], [list(range(5, 25)), list(range(9, 16))])
     passes = [
@@ -115,24 +133,25 @@ def test_compiled_logits_equal_eager(warm_pair, tiny_target):
                 runner.free(sid)
 
 
-COMPILED_FAMILIES = ["llama3", "qwen2.5", "mistral", "gpt2", "deepseek-v3"]
+COMPILED_FAMILIES = ["llama3", "qwen2.5", "mistral", "gemma3", "gpt2", "deepseek-v3"]
 
 
 @pytest.mark.parametrize("name", COMPILED_FAMILIES)
-def test_compiled_family_greedy_equals_generate(name, family_models):
+def test_compiled_family_greedy_equals_generate(name, family_models, device):
     """Speculative decoding on compiled graphs gives transformers' greedy output, for
-    families with grouped-query heads, mixed sliding and full layers (Qwen 2.5's config
-    as built here), one window (Mistral), learned positions (GPT-2) and latent attention
-    with keys and values of different sizes (DeepSeek-V3)."""
+    families with grouped-query heads (Llama 3), padded untied vocabularies (Qwen 2.5),
+    one window for every layer (Mistral), sliding and full layers mixed (Gemma 3),
+    learned positions (GPT-2) and latent attention with keys and values of different
+    sizes (DeepSeek-V3); the prompts are longer than the windows."""
     assert set(COMPILED_FAMILIES) <= set(FAMILIES)
     target_dir, draft_dir, tok_dir = family_models[name]
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    target = compiled(target_dir, max_model_len=512, max_num_seqs=2)
-    draft = compiled(draft_dir, max_model_len=512, max_num_seqs=2)
+    target = compiled(target_dir, max_model_len=512, max_num_seqs=2, device=device)
+    draft = compiled(draft_dir, max_model_len=512, max_num_seqs=2, device=device)
     proposer = DraftModelProposer(
         draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
     )
-    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).to(device)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     accepted = 0
     for prompt in prompts(tokenizer)[:2]:

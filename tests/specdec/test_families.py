@@ -32,8 +32,8 @@ def reference(
     ignored (as ``ignore_eos``), or, with ``eos``, the tokens before the first of them
     (what a server returns)."""
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=new_tokens,
         min_new_tokens=None if eos else new_tokens,
         do_sample=False,
@@ -46,18 +46,18 @@ def reference(
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_greedy_equals_generate_with_drafts_accepted(name, family_models):
+def test_family_greedy_equals_generate_with_drafts_accepted(name, family_models, device):
     target_dir, draft_dir, tok_dir = family_models[name]
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     family = FAMILIES[name]
     if family.bos is not None:  # the prompts carry BOS exactly as the tokenizer adds it
         assert all(p[0] == tokenizer.bos_token_id for p in prompts(tokenizer))
-    target = ModelRunner(target_dir, max_model_len=512)
-    draft = ModelRunner(draft_dir, max_model_len=512)
+    target = ModelRunner(target_dir, max_model_len=512, device=device)
+    draft = ModelRunner(draft_dir, max_model_len=512, device=device)
     proposer = DraftModelProposer(
         draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
     )
-    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).to(device)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     drafted = accepted = 0
     for prompt in prompts(tokenizer):
@@ -153,15 +153,15 @@ def test_longrope_is_served_up_to_its_pretraining_length(tmp_path):
 
 
 @pytest.mark.parametrize("name", SLIDING_FAMILIES)
-def test_ragged_batches_of_sliding_families_match_full_forwards(name, family_models):
+def test_ragged_batches_of_sliding_families_match_full_forwards(name, family_models, device):
     """Two rows at different lengths, prefilled and then verified in ragged multi-token
     chunks in one batch: every logit row equals the model's own full forward pass."""
     target_dir, _, _ = family_models[name]
-    runner = ModelRunner(target_dir, max_model_len=512)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    runner = ModelRunner(target_dir, max_model_len=512, device=device)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).to(device)
     seqs = [list(range(300, 340)), list(range(900, 931))]  # both longer than the window
-    with torch.no_grad():
-        full = [hf(torch.tensor([s])).logits[0].float() for s in seqs]  # [len, vocab]
+    with torch.no_grad():  # [len, vocab] each
+        full = [hf(torch.tensor([s], device=device)).logits[0].float() for s in seqs]
     runner.prefill(["a", "b"], [seqs[0][:14], seqs[1][:5]])
     done = [14, 5]
     for step in (4, 1, 5, 3, 2, 6, 4):

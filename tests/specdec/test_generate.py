@@ -13,13 +13,13 @@ PROMPTS = [[5, 9, 14], [30, 31, 32, 33, 34], [7], [60, 2, 61, 3, 62, 4, 63], [11
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return ModelRunner(tiny_target)
+def target(tiny_target, device):
+    return ModelRunner(tiny_target, device=device)
 
 
 @pytest.fixture(scope="module")
-def draft_proposer(tiny_draft):
-    return DraftModelProposer(ModelRunner(tiny_draft))
+def draft_proposer(tiny_draft, device):
+    return DraftModelProposer(ModelRunner(tiny_draft, device=device))
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -98,7 +98,7 @@ def test_sampled_tokens_follow_target_end_to_end(target, draft_proposer):
     # Exact law by enumeration with full forward passes.
     def dist(tokens):
         with torch.no_grad():
-            logits = target.model(torch.tensor([tokens])).logits[:, -1]
+            logits = target.model(torch.tensor([tokens], device=target.device)).logits[:, -1]
         return probs_for([params], logits)[0]
 
     expected: dict[tuple[int, ...], float] = {}
@@ -122,7 +122,7 @@ def _exact_law(runner, prompt, params, depth):
 
     def dist(tokens):
         with torch.no_grad():
-            logits = runner.model(torch.tensor([tokens])).logits[:, -1]
+            logits = runner.model(torch.tensor([tokens], device=runner.device)).logits[:, -1]
         return probs_for([params], logits)[0]
 
     law: dict[tuple[int, ...], float] = {}
@@ -145,7 +145,7 @@ def test_dynamic_draft_length_is_exact(target, tiny_draft):
     rounds with 1-3 drafts: every position and the bonus) is the target's; the same samples
     reject the draft's law (the wrong twin)."""
     proposer = DraftModelProposer(
-        ModelRunner(tiny_draft), min_confidence=0.12
+        ModelRunner(tiny_draft, device=target.device), min_confidence=0.12
     )  # about the median draft confidence
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     lengths = set()

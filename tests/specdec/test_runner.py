@@ -12,14 +12,14 @@ from tests.conftest import GPT2_POSITIONS, VOCAB
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_target):
-    return ModelRunner(tiny_target, max_num_seqs=4)
+def runner(tiny_target, device):
+    return ModelRunner(tiny_target, max_num_seqs=4, device=device)
 
 
 def full_logits(runner, tokens):
     """Reference: the model over the whole sequence, no cache."""
     with torch.no_grad():
-        return runner.model(torch.tensor([tokens])).logits[0].float()
+        return runner.model(torch.tensor([tokens], device=runner.device)).logits[0].float()
 
 
 SEQS = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [11, 12, 13], "c": [20, 21, 22, 23, 24, 25, 26, 27, 28]}
@@ -103,15 +103,19 @@ TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
 @pytest.fixture(scope="module")
-def gpt2(tiny_gpt2_target):
-    return ModelRunner(tiny_gpt2_target, max_num_seqs=4)
+def gpt2(tiny_gpt2_target, device):
+    return ModelRunner(tiny_gpt2_target, max_num_seqs=4, device=device)
 
 
 def gpt2_full(runner, tokens):
     """Reference: one sequence alone through the HF model, no cache, positions 0..len-1."""
     assert len(tokens) <= GPT2_POSITIONS
     with torch.no_grad():
-        return runner.model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+        return (
+            runner.model(torch.tensor([tokens], device=runner.device), use_cache=False)
+            .logits[0]
+            .float()
+        )
 
 
 def _tokens(n, seed):
@@ -138,7 +142,8 @@ def test_gpt2_position_embeddings_matter(gpt2):
     runner that fed wrong positions to real tokens could not pass them."""
     toks = _tokens(8, 1)
     with torch.no_grad():
-        shifted = gpt2.model(torch.tensor([toks]), position_ids=torch.arange(1, 9)[None]).logits
+        ids, positions = torch.tensor([toks]), torch.arange(1, 9)[None]
+        shifted = gpt2.model(ids.to(gpt2.device), position_ids=positions.to(gpt2.device)).logits
     assert not torch.allclose(shifted[0], gpt2_full(gpt2, toks), atol=1e-2)
 
 
@@ -213,8 +218,8 @@ def test_gpt2_ragged_last_only_prefill_and_decode_near_the_limit(gpt2):
 
 
 @pytest.fixture(scope="module")
-def gpt2_proposer(tiny_gpt2_draft):
-    return DraftModelProposer(ModelRunner(tiny_gpt2_draft, max_num_seqs=4))
+def gpt2_proposer(tiny_gpt2_draft, device):
+    return DraftModelProposer(ModelRunner(tiny_gpt2_draft, max_num_seqs=4, device=device))
 
 
 def _greedy_drafts(model, tokens, k):
@@ -223,7 +228,8 @@ def _greedy_drafts(model, tokens, k):
     out = []
     with torch.no_grad():
         for _ in range(k):
-            t = int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax())
+            ids = torch.tensor([tokens], device=model.device)
+            t = int(model(ids, use_cache=False).logits[0, -1].argmax())
             out.append(t)
             tokens.append(t)
     return out
