@@ -106,7 +106,14 @@ class CompiledForward:
         # split into pieces with Python between them.
         self._compiled = torch.compile(model.forward, fullgraph=True)
         self.compile_seconds: dict[PassShape, float] = {}  # shape -> first call's time [s]
-        self.eager_shapes: set[PassShape] = set()  # shapes whose graph failed to compile
+        self.eager_shapes: set[PassShape] = set()  # shapes whose graph failed or went stale
+        # Once warm (freeze), a pass whose graph's guards fail never compiles in a request
+        # (seconds that would stall every row of the batch): its shape goes eager, logged.
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """No more compiling: called after the warm-up has built every shape's graph."""
+        self.frozen = True
 
     def __call__(
         self, shape: PassShape, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], **kwargs
@@ -118,10 +125,12 @@ class CompiledForward:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         start = time.perf_counter()
         try:
-            with _compile_settings():
+            with _compile_settings(self.frozen):
                 out = self._compiled(**kwargs)
-        except Exception as exc:  # a graph that could not be made: this shape runs eager
-            # (an error of the model itself is raised again by the eager call)
+        except _COMPILE_ERRORS as exc:
+            # A graph that could not be made (or, once frozen, would have to be made again):
+            # this shape runs eager from now on. Errors of running a graph (out of memory,
+            # a bad input) are not caught: the caller sees them as the eager path raises them.
             self.eager_shapes.add(shape)
             logger.warning("%s: %s runs eager, its graph failed: %r", self.name, shape, exc)
             return self._eager(**kwargs)
@@ -132,7 +141,14 @@ class CompiledForward:
         return out
 
 
-def _compile_settings():
+# What a graph that cannot be made (or, once frozen, made again) raises.
+_COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+)
+
+
+def _compile_settings(frozen: bool):
     """torch's tracing settings for these graphs, applied around each call (they take
     effect when a call compiles; nothing else in the process sees them):
 
@@ -142,12 +158,19 @@ def _compile_settings():
     - no duck shaping: sizes equal when a graph is traced (a prefill from position 0 has
       as many queries as keys) stay separate symbols, so the graph does not assume they
       always are;
-    - room for every model's graphs under the one code object they share.
+    - room for every model's graphs under the one code object they share;
+    - once ``frozen``, a recompile is an error (:class:`CompiledForward` then runs the
+      shape eager).
+
+    torch keeps these patches per thread, so a thread compiling here changes nothing for
+    another.
     """
     stack = contextlib.ExitStack()
     stack.enter_context(
         torch._dynamo.config.patch(
-            automatic_dynamic_shapes=False, recompile_limit=_GRAPHS_PER_PROCESS
+            automatic_dynamic_shapes=False,
+            recompile_limit=_GRAPHS_PER_PROCESS,
+            error_on_recompile=frozen,
         )
     )
     stack.enter_context(fx_config.patch(use_duck_shape=False))

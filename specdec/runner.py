@@ -158,12 +158,13 @@ class ModelRunner:
         return {} if self._compiled is None else dict(self._compiled.compile_seconds)
 
     @torch.no_grad()
-    def warm_up(self, max_query_len: int = 8) -> dict[PassShape, float]:
+    def warm_up(self) -> dict[PassShape, float]:
         """Compile every graph a pass can need now, at startup, rather than in a request:
-        each :class:`PassShape` once, on scratch sequences in free slots (rolled back and
-        freed after). Returns the seconds each graph took; nothing when eager, or when no
-        slot is free."""
-        if self._compiled is None or self.num_free_slots == 0:
+        each :class:`PassShape` once, on scratch sequences in free slots (freed after), then
+        freeze (a pass that would need another graph runs eager instead of compiling in a
+        request). Returns the seconds each graph took; nothing when eager, or when no slot
+        is free. With one slot the several-row shapes are never needed, so never built."""
+        if self._compiled is None or self.num_free_slots == 0 or self.max_model_len < 8:
             return {}
         rows = ["warm-up-0", "warm-up-1"][: min(2, self.num_free_slots)]
         n = max(2, min(3, self.max_compiled_query_len, self.max_model_len // 4))
@@ -178,6 +179,7 @@ class ModelRunner:
         finally:
             for sid in rows:
                 self.free(sid)
+        self._compiled.freeze()
         return self.compile_seconds
 
     def _served_length(self, model: str, max_model_len: int | None) -> int:
@@ -540,7 +542,6 @@ class ModelRunner:
         """Record the rows' new lengths and return their float32 logits in the caller's
         row order: ``[batch, n, vocab]``, or ``[batch, vocab]`` with ``last_only``."""
         batch = len(plan.slots)
-        logits = logits.float()  # [batch, n, vocab] or [batch, 1, vocab]
         if last_only and logits.shape[1] != 1:
             # [batch, m, vocab]: every row's last position kept for all rows (transformers
             # before per-row logits_to_keep), or every position (a model that ignores it)
@@ -550,6 +551,7 @@ class ModelRunner:
                 last = [column[pos] for pos in last]
             last = torch.tensor(last, device=logits.device)
             logits = logits[torch.arange(batch, device=logits.device), last][:, None]
+        logits = logits.float()  # [batch, n, vocab] or [batch, 1, vocab], once selected
         for row in range(batch):
             self.slots.set_length(seq_ids[plan.order[row]], plan.ends[row])
         if not plan.in_order:

@@ -313,6 +313,7 @@ class EngineCore:
         except Exception as exc:  # Ray does not see this thread: surface the error
             logger.exception("engine core loop failed")
             self.error = f"engine core failure: {exc!r}"
+            self.warming = False  # (after the error: /health never reads "ok" between)
             sched = self.scheduler
             ended = list(sched.running) + [req.request_id for req in sched.waiting]
             with self._out_cv:
@@ -323,14 +324,13 @@ class EngineCore:
                 self._out_cv.notify_all()
 
     def _warm_up(self) -> None:
-        """Compile the target's graphs, and a colocated draft's, before the first round."""
-        try:
-            for name, runner in (("target", self.runner), ("draft", self.draft_runner)):
-                seconds = warm_up(runner) if runner is not None else {}
-                if seconds:  # (nothing when eager)
-                    self.compile_seconds[name] = seconds
-        finally:
-            self.warming = False
+        """Compile the target's graphs, and a colocated draft's, before the first round
+        (an error here is the loop's: the core fails, /health says so)."""
+        for name, runner in (("target", self.runner), ("draft", self.draft_runner)):
+            seconds = warm_up(runner) if runner is not None else {}
+            if seconds:  # (nothing when eager)
+                self.compile_seconds[name] = seconds
+        self.warming = False
 
     def _loop(self) -> None:
         """schedule (aborts, admissions) -> run (a round) -> postprocess (in the round)."""

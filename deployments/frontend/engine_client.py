@@ -533,6 +533,7 @@ class EngineClient:
                 self.target_info = await self._await_ready(self.target)
                 if self.colocated:
                     self.draft_info = self.target_info.pop("draft")
+                await self._refresh_health()  # the new core's (warming while it compiles)
             except Exception as exc:  # any failure of the new core: try another one
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)

@@ -8,10 +8,12 @@ lengths, batch compositions, draft lengths and greedy/sampled mixes run the warm
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.execution import PassShape, compile_cache_dir, default_execution_mode
@@ -106,7 +108,33 @@ def test_rounds_past_a_sliding_window_never_recompile(family_models, device):
         assert set(runner.warm_up()) == ALL_SHAPES
     with torch._dynamo.config.patch(error_on_recompile=True):
         run_rounds(target, draft, steps=40, seed=1)
-    assert not target._compiled.eager_shapes
+    for runner in (target, draft):  # (a frozen graph that missed would have gone eager)
+        assert not runner._compiled.eager_shapes
+
+
+class _PassThrough(TorchFunctionMode):
+    """A function mode that changes nothing (as a profiler's or a counter's would)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_warm_graph_whose_guards_miss_runs_eager_instead_of_compiling(
+    tiny_target, device, caplog
+):
+    """After warm-up nothing compiles in a request: a pass the graph was not made for (here
+    under a function mode, which its guards check) runs eager, logged, with the same
+    logits, and its shape stays eager."""
+    target = compiled(tiny_target, max_num_seqs=2, max_model_len=64, device=device)
+    target.warm_up()
+    eager = ModelRunner(tiny_target, max_num_seqs=2, max_model_len=64, device=device)
+    for runner in (target, eager):
+        runner.prefill(["a"], [list(range(5, 15))])
+    with _PassThrough(), caplog.at_level(logging.WARNING, logger="specserve.execution"):
+        got = target.forward(["a"], [[7, 8]])[0]
+    torch.testing.assert_close(got, eager.forward(["a"], [[7, 8]])[0], rtol=1e-4, atol=1e-4)
+    assert target._compiled.eager_shapes == {PassShape(True, False)}
+    assert "runs eager" in caplog.text
 
 
 def test_compiled_logits_equal_eager(warm_pair, tiny_target, device):
