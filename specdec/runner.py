@@ -380,14 +380,7 @@ class ModelRunner:
         need. With ``last_only`` the LM head runs on those positions alone, so a long
         prompt never materialises ``[batch, prompt_len, vocab]``.
         """
-        if len(seq_ids) != len(token_ids):
-            raise ValueError("seq_ids and token_ids differ in length")
-        if isinstance(token_ids, torch.Tensor):  # [batch, n] on any device: n per row
-            counts = [token_ids.shape[1]] * token_ids.shape[0]
-        else:
-            counts = [len(t) for t in token_ids]
-        if not counts or min(counts) < 1:
-            raise ValueError("every sequence must append at least one token")
+        counts = _append_counts(seq_ids, token_ids)
         if (
             last_only
             and not isinstance(token_ids, torch.Tensor)
@@ -397,56 +390,60 @@ class ModelRunner:
             )
         ):
             return self._chunked_last(seq_ids, token_ids)
-        # Ids and positions are assembled on the host (they come from Python lists) and
-        # moved to the model's device in one copy each; nothing uses the default device.
         plan = self._plan_rows(seq_ids, counts)
         # Compiled unless a long prefill chunk, or a one-token cache (a size of 1 would
         # be a graph of its own: a 1-token prompt's prefill runs eagerly instead).
         compiled = (
             self._compiled is not None and plan.n <= self.max_compiled_query_len and plan.kv_len > 1
         )
-        input_ids = _input_ids(token_ids, plan).to(self.device)  # [batch, n] int64
-        position_ids, write_positions = self._positions(plan)  # [batch, n] each
-        kv_range = torch.arange(plan.kv_len, device=self.device)  # [kv_len]
-        slots = torch.tensor(plan.slots, dtype=torch.long, device=self.device)  # [batch]
-        first, batch = plan.slots[0], len(plan.slots)
-        contiguous = plan.slots == list(range(first, first + batch))
-        if compiled:
-            # One layout for every compiled pass: writes scattered by position, keys
-            # gathered by slot, separate position tensors (aliasing is guarded on).
-            # and fresh row-major tensors (a graph is guarded on its inputs' strides)
-            dense = torch.contiguous_format
-            input_ids = input_ids.clone(memory_format=dense)
-            position_ids = position_ids.clone(memory_format=dense)
-            write_positions = write_positions.clone(memory_format=dense)
-        self.cache.layout = BatchLayout(
-            slots=slots,
-            write_positions=write_positions,
-            kv_range=kv_range,
-            contiguous_from=first if contiguous and not compiled else None,
-            write_start=plan.starts[0] if plan.same_start and not compiled else None,
-        )
-        kwargs = dict(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            **self._attention_args(plan, position_ids, kv_range, compiled),
-            use_cache=True,
-            # Compiled: every position's logits (transformers' per-row selection
-            # specialises a graph on its sizes); _commit picks each row's last.
-            **({} if compiled else self._logits_to_keep(plan, last_only)),
-        )
+        inputs = self._pass_inputs(plan, token_ids, compiled)
+        self.cache.layout = inputs.layout
         try:
+            kwargs = dict(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.position_ids,
+                past_key_values=self.cache,
+                **self._attention_args(plan, inputs.position_ids, inputs.layout.kv_range, compiled),
+                use_cache=True,
+                # Compiled: every position's logits (transformers' per-row selection
+                # specialises a graph on its sizes); _commit picks each row's last.
+                **({} if compiled else self._logits_to_keep(plan, last_only)),
+            )
             if compiled:
-                shape = PassShape(batch == 1, plan.n == 1)
-                dynamic = [(input_ids, (0, 1)), (position_ids, (0, 1))]
-                dynamic += [(write_positions, (0, 1)), (slots, (0,)), (kv_range, (0,))]
-                out = self._compiled(shape, dynamic, **kwargs)
+                shape = PassShape(len(plan.slots) == 1, plan.n == 1)
+                out = self._compiled(shape, inputs.dynamic(), **kwargs)
             else:
                 out = self.model(**kwargs)
         finally:
             self.cache.layout = None
         return self._commit(seq_ids, plan, out.logits, last_only)
+
+    def _pass_inputs(
+        self, plan: _RowPlan, token_ids: Sequence[Sequence[int]] | torch.Tensor, compiled: bool
+    ) -> _PassInputs:
+        """The pass's ids, positions and cache layout on the model's device (ids and
+        positions assembled on the host from Python lists, one copy each)."""
+        dev = self.device
+        input_ids = _input_ids(token_ids, plan).to(dev)  # [batch, n] int64
+        position_ids, write_positions = self._positions(plan)  # [batch, n] each
+        first, batch = plan.slots[0], len(plan.slots)
+        contiguous = plan.slots == list(range(first, first + batch))
+        if compiled:
+            # One layout for every compiled pass: writes scattered by position, keys
+            # gathered by slot; fresh row-major tensors, none aliasing another (a graph
+            # is guarded on its inputs' strides and aliasing).
+            dense = torch.contiguous_format
+            input_ids = input_ids.clone(memory_format=dense)
+            position_ids = position_ids.clone(memory_format=dense)
+            write_positions = write_positions.clone(memory_format=dense)
+        layout = BatchLayout(
+            slots=torch.tensor(plan.slots, dtype=torch.long, device=dev),
+            write_positions=write_positions,
+            kv_range=torch.arange(plan.kv_len, device=dev),
+            contiguous_from=first if contiguous and not compiled else None,
+            write_start=plan.starts[0] if plan.same_start and not compiled else None,
+        )
+        return _PassInputs(input_ids, position_ids, layout)
 
     def _plan_rows(self, seq_ids: Sequence[Hashable], counts: list[int]) -> _RowPlan:
         """Rows in slot order (a batch of consecutive slots then reads the cache as a
@@ -658,6 +655,42 @@ class _RowPlan:
     n: int  # the longest append: the pass's query length [tokens]
     kv_len: int  # keys/values attention reads: the furthest end [tokens]
     same_start: bool  # every row starts at the same position
+
+
+@dataclass(frozen=True, slots=True)
+class _PassInputs:
+    """One pass's model inputs on the model's device."""
+
+    input_ids: torch.Tensor  # [batch, n] int64, 0-padded
+    position_ids: torch.Tensor  # [batch, n] int64: each query's position
+    layout: BatchLayout  # where the pass writes and reads the cache
+
+    def dynamic(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The sizes a compiled graph takes as dynamic: rows, queries, keys."""
+        lay = self.layout
+        return [
+            (self.input_ids, (0, 1)),
+            (self.position_ids, (0, 1)),
+            (lay.write_positions, (0, 1)),
+            (lay.slots, (0,)),
+            (lay.kv_range, (0,)),
+        ]
+
+
+def _append_counts(
+    seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]] | torch.Tensor
+) -> list[int]:
+    """Tokens each row appends (a ``[batch, n]`` tensor: ``n`` each); refuses a mismatch
+    of rows or an empty append."""
+    if len(seq_ids) != len(token_ids):
+        raise ValueError("seq_ids and token_ids differ in length")
+    if isinstance(token_ids, torch.Tensor):  # [batch, n] on any device: n per row
+        counts = [token_ids.shape[1]] * token_ids.shape[0]
+    else:
+        counts = [len(t) for t in token_ids]
+    if not counts or min(counts) < 1:
+        raise ValueError("every sequence must append at least one token")
+    return counts
 
 
 def _input_ids(token_ids: Sequence[Sequence[int]] | torch.Tensor, plan: _RowPlan) -> torch.Tensor:
