@@ -54,10 +54,13 @@ def free_port() -> int:
 SHAPES = {"": "demo.yaml", "/colocated": "demo-colocated.yaml"}  # route prefix -> config
 
 
-def start_specserve(max_tokens: int) -> str:
+def start_specserve(max_tokens: int) -> tuple[str, dict[str, float]]:
     """The demo app in both shapes, as ``serve deploy`` would run their configs, one replica
-    each: ``cluster/serve/demo.yaml`` at ``/``, ``demo-colocated.yaml`` at ``/colocated``."""
+    each: ``cluster/serve/demo.yaml`` at ``/``, ``demo-colocated.yaml`` at ``/colocated``.
+    Returns the URL and each shape's seconds from deploy to ``/health`` saying ``ok``
+    (models loaded and, compiled, warmed up)."""
     port = free_port()
+    startup_s: dict[str, float] = {}
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     for prefix, name in SHAPES.items():
@@ -68,13 +71,14 @@ def start_specserve(max_tokens: int) -> str:
         args["default_max_tokens"] = max_tokens
         args["monitoring"]["prometheus_port"] = free_port()
         app = f"peers{prefix.replace('/', '-')}"
+        started = time.monotonic()
         serve.run(build_app(args), name=app, route_prefix=prefix or "/")
-        deadline = time.monotonic() + 300
-        while httpx.get(f"{url}{prefix}/health").status_code != 200:
-            if time.monotonic() > deadline:
+        while httpx.get(f"{url}{prefix}/health").json().get("status") != "ok":
+            if time.monotonic() > started + 600:
                 raise RuntimeError(f"SpecServe ({name}) did not become healthy")
             time.sleep(0.5)
-    return url
+        startup_s[name] = round(time.monotonic() - started, 1)
+    return url, startup_s
 
 
 class Systems:
@@ -224,7 +228,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.url is None:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        args.url = start_specserve(args.max_tokens)
+        args.url, startup_s = start_specserve(args.max_tokens)
+    else:
+        startup_s = {}
     args.dtype = served_dtype()
     settings = vars(args) | {
         "serve_config": "cluster/serve/demo.yaml and demo-colocated.yaml (1 replica each)",
@@ -232,7 +238,7 @@ def main() -> None:
         "greedy": True,
         "assisted_generation": "transformers defaults (num_assistant_tokens schedule)",
     }
-    results = run(args)
+    results = {**run(args), "startup_s": startup_s}
     path = write_result("peers", settings, results)
     plot(results, path.with_suffix(".png"))
     print(path.read_text())
