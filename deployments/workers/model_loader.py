@@ -35,6 +35,21 @@ def configure_thread(spec: ModelSpec) -> None:
         torch.set_default_device(spec.default_device)  # per thread, as grad mode
 
 
+def show_info_logs() -> None:
+    """SpecServe's INFO records (model loading, the KV arithmetic, each compiled graph's
+    time) on this process's stderr, which Ray keeps in the worker's log: a Ray worker's root
+    logger has no handler, so only warnings would reach it (through logging's last resort).
+    Nothing changes in a process whose root logger has handlers (a driver that configured
+    logging, pytest): the records reach those."""
+    log = logging.getLogger("specserve")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def load_runner(
     spec: ModelSpec, max_num_seqs: int, defer_kv: bool = False, kv_shared_with=None
 ) -> ModelRunner:
@@ -42,6 +57,7 @@ def load_runner(
     keyword arguments: a colocated draft's cache comes out of the target's budget). The
     calling thread is configured for the spec once loaded, except for a deferred
     (colocated) draft: the target loads after it, with torch's defaults."""
+    show_info_logs()
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     device = _device(spec)
