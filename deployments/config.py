@@ -142,6 +142,21 @@ class WorkerResources(_Strict):
         default=None,
         description="Ray accelerator type, e.g. 'H100'; becomes a resource constraint.",
     )
+    cpu_affinity: list[int] | None = Field(
+        default=None,
+        description="Host cores (ids as the node's OS numbers them) the worker's model "
+        "thread runs on: the CPU analogue of owning a GPU, so draft and target do not take "
+        "turns on one core. Cores the worker's process may not use are left out (logged); "
+        "none usable: unpinned. Unset: the OS places the thread. A colocated draft runs on "
+        "the target's.",
+    )
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cores(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 0 or len(set(value)) != len(value)):
+            raise ValueError("cpu_affinity: distinct core ids >= 0, at least one")
+        return value
 
     @field_validator("num_gpus")
     @classmethod

@@ -230,6 +230,7 @@ class EngineCoreConfig(msgspec.Struct, frozen=True):
     length_policy: LengthPolicyConfig | None = None  # None: every request at its fixed k
     telemetry: bool = False  # keep round records for drain_telemetry (a monitor runs)
     colocated_draft: ColocatedDraftConfig | None = None  # None: a draft actor connects
+    cpu_affinity: list[int] | None = None  # [cores] the loop thread runs on (None: any)
 
 
 class DraftWorkerConfig(msgspec.Struct, frozen=True):
@@ -242,6 +243,7 @@ class DraftWorkerConfig(msgspec.Struct, frozen=True):
     adaptive_overlap: bool = True  # adapt the width to hits and time (SpeculationWidth)
     transport: str = "actor"  # "compiled_graph": drafts go back as the step's reply
     min_confidence: float = 0.0  # stop a row's drafts below this draft probability
+    cpu_affinity: list[int] | None = None  # [cores] the loop thread runs on (None: any)
 
 
 # ----- the wire: the round's messages as bytes (and arrays) ---------------------------------

@@ -60,6 +60,7 @@ from deployments.workers.drafting import DraftRounds
 from deployments.workers.model_loader import (
     configure_thread,
     load_runner,
+    pin_thread,
     warm_up,
     worker_info,
 )
@@ -96,6 +97,8 @@ class EngineCore:
 
     def __init__(self, config: EngineCoreConfig):
         self.spec = ModelSpec.model_validate(config.spec)
+        self._cpu_affinity = config.cpu_affinity
+        self.cores: list[int] = []  # what the loop thread is pinned to (empty: not pinned)
         self.runner, self.draft_runner = self._load_models(config)
         draft_max_model_len = (
             self.draft_runner.max_model_len if self.draft_runner else config.draft_max_model_len
@@ -260,6 +263,7 @@ class EngineCore:
     def health(self) -> dict[str, Any]:
         return {
             "warming": self.warming,
+            "cores": self.cores,
             "compile_seconds": self.compile_seconds,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._new),
@@ -307,6 +311,7 @@ class EngineCore:
 
     def _loop_guarded(self) -> None:
         configure_thread(self.spec)
+        self.cores = pin_thread(self._cpu_affinity)
         try:
             self._warm_up()
             self._loop()

@@ -79,6 +79,7 @@ class WorkerLauncher:
                     length_policy=self._length_policy(),
                     telemetry=telemetry,
                     colocated_draft=self._colocated_draft(),
+                    cpu_affinity=cfg.target_resources.cpu_affinity,
                 )
             )
         )
@@ -98,6 +99,7 @@ class WorkerLauncher:
                     adaptive_overlap=spec.adaptive_overlap,
                     transport=cfg.transport,
                     min_confidence=spec.draft_confidence_threshold,
+                    cpu_affinity=cfg.draft_resources.cpu_affinity,
                 )
             )
         )

@@ -29,6 +29,7 @@ from deployments.workers.drafting import DraftRounds, pushed_drafts
 from deployments.workers.model_loader import (
     configure_thread,
     load_runner,
+    pin_thread,
     warm_up,
     worker_info,
 )
@@ -53,6 +54,8 @@ class DraftWorker:
 
     def __init__(self, config: DraftWorkerConfig):
         self.spec = ModelSpec.model_validate(config.spec)
+        self._cpu_affinity = config.cpu_affinity
+        self.cores: list[int] = []  # what the loop thread is pinned to (empty: not pinned)
         width, max_num_seqs = config.speculation_width, config.max_num_seqs
         # Branches of the speculation cache are sequences too, from the same KV budget:
         # slots for as many sequences as the core runs are kept, the rest hold branches.
@@ -150,6 +153,7 @@ class DraftWorker:
             "error": self.error,
             "failed_sequences": self.rounds.failed_sequences,
             "kv_cache": self.runner.kv_usage(),
+            "cores": self.cores,
         }
 
     @ray.method(concurrency_group="io")
@@ -185,6 +189,7 @@ class DraftWorker:
 
     def _loop_guarded(self) -> None:
         configure_thread(self.spec)
+        self.cores = pin_thread(self._cpu_affinity)
         try:
             while True:
                 with self._cv:

@@ -25,6 +25,28 @@ def _device(spec: ModelSpec) -> str:
     return "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
 
 
+def pin_thread(cores: list[int] | None) -> list[int]:
+    """Run the calling thread (and the threads it starts, torch's included) on ``cores``
+    (Linux: ``sched_setaffinity`` of thread id 0 is the calling thread). Cores this process
+    may not use are left out, logged; returns the cores the thread now runs on (empty:
+    unchanged, when ``cores`` is None, none is usable, or the OS cannot pin)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return []
+    allowed = os.sched_getaffinity(0)
+    usable = sorted(set(cores) & allowed)
+    if usable != sorted(cores):
+        logger.warning(
+            "cpu_affinity %s: cores %s are not this worker's (it may use %s); %s",
+            cores,
+            sorted(set(cores) - allowed),
+            sorted(allowed),
+            f"pinned to {usable}" if usable else "left unpinned",
+        )
+    if usable:
+        os.sched_setaffinity(0, usable)
+    return usable
+
+
 def configure_thread(spec: ModelSpec) -> None:
     """Per-thread torch settings: OpenMP's thread count and grad mode are per thread, so a
     loop thread must set them itself (else it runs with one OpenMP thread per core)."""

@@ -5,6 +5,7 @@ object here, as in ``bench.syncs``."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict
 
@@ -23,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 PROMPTS = {"a": [5, 40, 7, 11, 3], "b": [9, 9, 2], "c": list(range(10, 40))}
 
 
-def core_for(target: str, draft: str, mode: str) -> EngineCore:
+def core_for(target: str, draft: str, mode: str, cores: list[int] | None = None) -> EngineCore:
     def spec(path: str) -> dict:
         return ModelSpec(
             model=path, num_threads=1, execution_mode=mode, max_model_len=128
@@ -35,6 +36,7 @@ def core_for(target: str, draft: str, mode: str) -> EngineCore:
         eos_token_ids=[],
         draft_timeout_s=1.0,
         colocated_draft=ColocatedDraftConfig(spec(draft), 0.0, None),
+        cpu_affinity=cores,
     )
     return EngineCore(config)
 
@@ -75,9 +77,12 @@ def test_requests_during_warm_up_wait_and_match_eager(tiny_target, tiny_draft):
     assert set(health["compile_seconds"]) == {"target", "draft"}
     assert all(len(shapes) == 4 for shapes in health["compile_seconds"].values())
     assert all(len(t) == GREEDY.max_tokens for t in got.values())
-    eager = core_for(tiny_target, tiny_draft, "eager")
+    # (pinned to one core, as a worker's cpu_affinity asks: the same tokens)
+    core = sorted(os.sched_getaffinity(0))[-1]
+    eager = core_for(tiny_target, tiny_draft, "eager", cores=[core])
     try:
         assert serve(eager) == got
         assert eager.health()["compile_seconds"] == {}
+        assert eager.health()["cores"] == [core]
     finally:
         eager.stop()
