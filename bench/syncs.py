@@ -44,6 +44,10 @@ class CountingCore(EngineCore):
     def __init__(self, config: EngineCoreConfig):
         self.rounds: list[tuple[int, HostSyncCounter]] = []  # (batch size, its counts)
         super().__init__(config)
+        # Count an accelerator's round: there the draft runs its k steps on without
+        # reading whether the confidence stop has ended every row (a CPU reads that after
+        # each step, at no cost: specdec.proposers.DraftModelProposer's stop_early).
+        self.link.rounds.drafter.proposer.stop_early = False
 
     def _run_round(self) -> None:
         batch = len(self.scheduler.running)

@@ -74,7 +74,11 @@ class DraftModelProposer(Proposer):
     kind: ProposalKind = "probs"
 
     def __init__(
-        self, runner: ModelRunner, min_confidence: float = 0.0, vocab_limit: int | None = None
+        self,
+        runner: ModelRunner,
+        min_confidence: float = 0.0,
+        vocab_limit: int | None = None,
+        stop_early: bool | None = None,
     ):
         """``vocab_limit``: the draft proposes only ids below it, the ids it shares with
         the target (the target tokenizer's size; embedding rows past it are padding,
@@ -88,11 +92,19 @@ class DraftModelProposer(Proposer):
         gives less than this probability (that token is still proposed), as transformers'
         assisted generation does: a confident draft proposes long runs, a doubtful one
         stops early. The rule looks only at the draft's own randomness, never at the
-        target's, so verification stays exact with a variable number of drafts per row."""
+        target's, so verification stays exact with a variable number of drafts per row.
+
+        ``stop_early``: whether drafting ends once the confidence stop has ended every row
+        (None: where the draft's device is the host's CPU). That takes a read of the rows'
+        stop flags after each step: free where the device is the host (no queue to drain,
+        and a round at batch 1 skips the steps past its stop, often half of k); on an
+        accelerator every step would wait for the device, so there the steps run on (what
+        a row drafts past its count is never proposed)."""
         if not 0.0 <= min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.runner = runner
         self.min_confidence = min_confidence
+        self.stop_early = runner.device.type == "cpu" if stop_early is None else stop_early
         self.limit_vocab(vocab_limit)
         self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
 
@@ -176,7 +188,7 @@ class DraftModelProposer(Proposer):
                 if run.steps:
                     self._read_drafts(run)  # what was fed stays cached
                 return None
-            if not self._step(run, i):
+            if not self._step(run, i) or self._all_stopped(run, i):
                 break
         counts, drafts = self._read_drafts(run)
         return Proposal(
@@ -190,6 +202,13 @@ class DraftModelProposer(Proposer):
             host_num_draft_tokens=counts,
             host_draft_token_ids=drafts,
         )
+
+    def _all_stopped(self, run: _Drafting, i: int) -> bool:
+        """With ``stop_early``: whether the confidence stop has ended every row by step
+        ``i`` (one read of ``[batch]`` flags)."""
+        if not (self.stop_early and self.min_confidence) or i + 1 >= run.k:
+            return False
+        return bool((run.counts < run.k).all())
 
     def _read_drafts(self, run: _Drafting) -> tuple[list[int], list[list[int]]]:
         """The drafts and their counts on the host, in one read for the whole batch (the

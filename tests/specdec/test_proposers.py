@@ -107,3 +107,47 @@ def test_q_is_kept_for_sampled_rows_only(tiny_draft):
         assert bool((q.gather(-1, drafted[:, None]) > 0).all())  # drawn from its own q
     assert int((prop.q(3).float() > 0).sum(-1).max()) <= 5  # top-k truncated
     assert proposer.propose(seqs[::2], 3).draft_probs is None  # all greedy: no buffer
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stopping_early_drafts_the_same_in_fewer_passes(tiny_draft, temperature):
+    """With ``stop_early`` the draft ends once the confidence stop has ended every row:
+    the same drafts, counts and q as running all k steps; only the passes differ. Later
+    rounds feed what the shorter run did not cache in one pass with the new tokens (a pass
+    of more queries: q equal up to rounding, the same tokens on these seeds)."""
+    outs = {}
+    for stop_early in (False, True):
+        runner = ModelRunner(tiny_draft, max_num_seqs=4)
+        passes = []
+        forward = runner.forward_padded
+
+        def counted(*args, _forward=forward, _passes=passes, **kwargs):
+            _passes.append(1)
+            return _forward(*args, **kwargs)
+
+        runner.forward_padded = counted
+        # A threshold near 1 stops every row of a random draft within its first steps.
+        proposer = DraftModelProposer(runner, min_confidence=0.9, stop_early=stop_early)
+        params = [SamplingParams(temperature=temperature, seed=s) for s in (1, 2)]
+        seqs = [
+            SequenceState("a", [5, 9, 14, 3], params[0]),
+            SequenceState("b", [7, 8], params[1]),
+        ]
+        rounds = []
+        for _ in range(3):
+            prop = proposer.propose(seqs, 8)
+            counts = prop.host_num_draft_tokens
+            drafts = [d[:n] for d, n in zip(prop.host_draft_token_ids, counts, strict=True)]
+            q = [None if prop.q(r) is None else prop.q(r)[: counts[r]] for r in range(2)]
+            rounds.append((counts, drafts, q))
+            for seq, d in zip(seqs, drafts, strict=True):
+                seq.output_token_ids.extend([*d[:1], 11])  # one accepted, then a bonus
+        outs[stop_early] = (rounds, len(passes))
+    (full, full_passes), (early, early_passes) = outs[False], outs[True]
+    assert full_passes == 3 * 8 and early_passes < full_passes
+    for i, ((c0, d0, q0), (c1, d1, q1)) in enumerate(zip(full, early, strict=True)):
+        assert c0 == c1 and d0 == d1 and max(c0) < 8
+        for a, b in zip(q0, q1, strict=True):
+            assert (a is None) == (b is None) == (temperature == 0.0)
+            if a is not None:
+                assert torch.equal(a, b) if i == 0 else torch.allclose(a, b, atol=1e-3)
