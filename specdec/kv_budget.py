@@ -5,7 +5,9 @@ A slot holds one sequence's keys and values for ``max_model_len`` tokens in ever
 budget buys ``budget // that`` of them, never more than the worker can use (the target:
 ``max_num_seqs``; the draft: those plus its speculation branches). Nothing is allocated
 later: a worker whose slots are all taken makes new sequences wait (the scheduler admits
-on free slots) and makes the draft prepare fewer branches, instead of growing.
+on free slots) and makes the draft prepare fewer branches, instead of growing. The
+passes need memory of their own beside the cache: the peak their largest shapes took,
+measured before the plan (:mod:`specdec.peak_memory`), is kept out of the free memory.
 
 Pure arithmetic, plus :func:`device_free_bytes` to read what the device has left.
 """
@@ -36,6 +38,9 @@ class KVPlan:
     # What each slot also costs another model drawing on the same budget (a colocated
     # draft keeps one slot per target slot); not part of this plan's allocation.
     shared_bytes_per_slot: int = 0
+    # Kept free of KV for the passes themselves: the measured peak activation memory of
+    # the largest passes (specdec.peak_memory), taken out of the free memory first.
+    reserved_bytes: int = 0
 
     @property
     def bytes_per_slot(self) -> int:
@@ -74,6 +79,12 @@ def budget_bytes(
     return int(memory_fraction * free_bytes)
 
 
+def kv_free_bytes(free_bytes: int | None, reserved_bytes: int) -> int | None:
+    """What the KV cache may take of the device's free memory: all of it but the
+    activation reserve (None: unknown)."""
+    return None if free_bytes is None else max(0, free_bytes - reserved_bytes)
+
+
 def plan_slots(
     bytes_per_token: int,
     max_model_len: int,
@@ -81,14 +92,18 @@ def plan_slots(
     budget: int | None,
     free_bytes: int | None,
     shared_bytes_per_slot: int = 0,
+    reserved_bytes: int = 0,
 ) -> KVPlan:
     """The slot count for a budget; raises :class:`KVBudgetError` with the arithmetic
     when not one sequence of ``max_model_len`` fits, or when the memory is not there.
 
     ``shared_bytes_per_slot``: what another model's slot costs out of the same budget
-    (a draft in the target's process has one slot per target slot)."""
+    (a draft in the target's process has one slot per target slot). ``free_bytes``: the
+    device's free memory, of which ``reserved_bytes`` (the passes' activations) is never
+    the cache's."""
     if bytes_per_token <= 0 or max_model_len <= 0 or wanted_slots <= 0:
         raise ValueError("bytes_per_token, max_model_len and wanted_slots must be positive")
+    free_bytes = kv_free_bytes(free_bytes, reserved_bytes)
     per_slot = bytes_per_token * max_model_len + shared_bytes_per_slot
     if budget is None:
         num = wanted_slots
@@ -97,9 +112,9 @@ def plan_slots(
             raise KVBudgetError(
                 f"the KV cache for {num} sequences of max_model_len={max_model_len} needs "
                 f"{_gib(need)} ({_gib(per_slot)} each{_shared(shared_bytes_per_slot)}), but the "
-                f"device has {_gib(free_bytes)} "
-                "free: set kv_cache_memory_fraction (or kv_cache_memory_bytes) so that fewer "
-                "run at once, or lower max_num_seqs or max_model_len"
+                f"device has {_gib(free_bytes)} free{_reserved(reserved_bytes)}: set "
+                "kv_cache_memory_fraction (or kv_cache_memory_bytes) so that fewer run at "
+                "once, or lower max_num_seqs or max_model_len"
             )
     else:
         num = min(wanted_slots, budget // per_slot)
@@ -113,9 +128,17 @@ def plan_slots(
         if free_bytes is not None and num * per_slot > free_bytes:
             raise KVBudgetError(
                 f"kv_cache_memory_bytes={budget} asks for {_gib(num * per_slot)} of KV cache, "
-                f"but the device has {_gib(free_bytes)} free"
+                f"but the device has {_gib(free_bytes)} free{_reserved(reserved_bytes)}"
             )
-    return KVPlan(bytes_per_token, max_model_len, num, wanted_slots, budget, shared_bytes_per_slot)
+    return KVPlan(
+        bytes_per_token,
+        max_model_len,
+        num,
+        wanted_slots,
+        budget,
+        shared_bytes_per_slot,
+        reserved_bytes,
+    )
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -136,6 +159,10 @@ def device_free_bytes(device: torch.device) -> int | None:
 
 def _shared(n: int) -> str:
     return f", {_gib(n)} of it the colocated draft's" if n else ""
+
+
+def _reserved(n: int) -> str:
+    return f" once {_gib(n)} is kept for the passes' activations" if n else ""
 
 
 def _gib(n: int) -> str:

@@ -24,9 +24,10 @@ from specdec.attention import (
     exact_position_limit,
 )
 from specdec.execution import EAGER, CompiledForward, PassShape, check_execution_mode
-from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, plan_slots
+from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, kv_free_bytes, plan_slots
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 from specdec.kv_manager import SlotTable
+from specdec.peak_memory import PeakMemory
 from specdec.row_attention import ROW_ATTENTION, ROW_SPANS_KWARG, RowAttentionUnavailable, RowSpans
 
 logger = logging.getLogger("specserve.runner")
@@ -80,6 +81,7 @@ class ModelRunner:
         attention_backend: str = "rows",
         execution_mode: str = EAGER,
         max_compiled_query_len: int = 32,
+        reserve_activations: bool = False,
     ):
         check_transformers_version()
         check_execution_mode(execution_mode)
@@ -124,6 +126,10 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.kv_bytes_per_token = self._probe_kv()
+        # Peak memory of the largest passes [bytes] by pass, kept out of the KV budget.
+        self.activation_peaks: dict[str, int] = (
+            self._measure_activations(max_num_seqs) if reserve_activations else {}
+        )
         self.kv_plan: KVPlan | None = None
         self.max_num_seqs = 0
         if not defer_kv:
@@ -219,13 +225,21 @@ class ModelRunner:
         with ``defer_kv``) and allocate them here, and the same number there."""
         free = device_free_bytes(self.device)
         shared = kv_shared_with.kv_bytes_per_slot if kv_shared_with is not None else 0
+        # The models take turns: the larger of the two peaks is what a pass may need.
+        reserve = max(
+            self.activation_reserve_bytes,
+            kv_shared_with.activation_reserve_bytes if kv_shared_with is not None else 0,
+        )
         plan = plan_slots(
             self.kv_bytes_per_token,
             self.max_model_len,
             max_num_seqs,
-            budget_bytes(kv_cache_memory_bytes, kv_cache_memory_fraction, free),
+            budget_bytes(
+                kv_cache_memory_bytes, kv_cache_memory_fraction, kv_free_bytes(free, reserve)
+            ),
             free,
             shared_bytes_per_slot=shared,
+            reserved_bytes=reserve,
         )
         self.allocate_kv(plan)
         if kv_shared_with is not None:  # one budget: the same number of slots
@@ -236,6 +250,47 @@ class ModelRunner:
     @property
     def kv_bytes_per_slot(self) -> int:
         return self.kv_bytes_per_token * self.max_model_len
+
+    @property
+    def activation_reserve_bytes(self) -> int:
+        """What the KV budget leaves free for the passes [bytes]: the largest of
+        :attr:`activation_peaks`; 0 when not measured."""
+        return max(self.activation_peaks.values(), default=0)
+
+    def _activation_shapes(self, max_num_seqs: int) -> dict[str, tuple[int, int, bool]]:
+        """The largest passes as ``(rows, queries, last_only)``: a prefill of
+        ``max_num_batched_tokens`` in chunks of at most ``prefill_chunk_size`` (last
+        logits only), and a verification of every row at ``max_compiled_query_len``
+        positions (every position's logits)."""
+        n = max(1, min(self.prefill_chunk_size, self.max_num_batched_tokens, self.max_model_len))
+        rows = max(1, min(max_num_seqs, self.max_num_batched_tokens // n))
+        verify_n = max(1, min(self.max_compiled_query_len, self.max_model_len))
+        return {"prefill": (rows, n, True), "verify": (max_num_seqs, verify_n, False)}
+
+    def _measure_activations(self, max_num_seqs: int) -> dict[str, int]:
+        """Run each of the largest passes once, eagerly, on a scratch cache made to fit it
+        (allocated before the peak is read: the cache is not the pass's), and return the
+        peak memory each took above that [bytes]; empty where the device cannot say. The
+        verification's figure adds one float32 copy of its logits: the sampler's
+        probabilities of every position, made after the forward while the logits live."""
+        peaks: dict[str, int] = {}
+        try:
+            for name, (rows, n, last_only) in self._activation_shapes(max_num_seqs).items():
+                self.cache.allocate(rows, n + 1)
+                self.slots = SlotTable(rows)
+                ids = [f"activation-probe-{i}" for i in range(rows)]
+                for sid in ids:
+                    self.add(sid)
+                with PeakMemory(self.device) as peak:
+                    self.forward_padded(ids, [[0] * n] * rows, last_only=last_only)
+                if peak.bytes is None:
+                    logger.warning("peak memory is not measurable on %s: no reserve", self.device)
+                    return {}
+                peaks[name] = peak.bytes + (0 if last_only else rows * n * self.vocab_size * 4)
+        finally:
+            self.cache.allocate(1, 2)  # the scratch goes; the budget allocates for good
+            self.slots = SlotTable(0)
+        return peaks
 
     def _probe_kv(self) -> int:
         """The cache's bytes per token, learnt from one probe token (heads, head_dim and

@@ -101,6 +101,8 @@ def load_runner(
         defer_kv=defer_kv,
         kv_shared_with=kv_shared_with,
         execution_mode=mode,
+        # The largest passes run once first: their peak memory stays out of the budget.
+        reserve_activations=True,
     )
     if not defer_kv:
         configure_thread(spec)  # after loading: from_pretrained may use the default device
@@ -117,12 +119,14 @@ def load_runner(
         if r is not None and r.kv_plan is not None:
             logger.info(
                 "KV cache of %s: %d slots x %d tokens (max_model_len) x %d bytes per token "
-                "= %.2f GB",
+                "= %.2f GB; %.2f GB kept for activations (measured peaks: %s)",
                 r.model.name_or_path,
                 r.max_num_seqs,
                 r.max_model_len,
                 r.kv_plan.bytes_per_token,
                 r.kv_plan.total_bytes / 1e9,
+                r.kv_plan.reserved_bytes / 1e9,
+                ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in r.activation_peaks.items()),
             )
     return runner
 

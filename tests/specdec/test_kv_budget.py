@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdec.kv_budget import GiB, KVBudgetError, budget_bytes, plan_slots
+from specdec.peak_memory import PeakMemory
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -20,6 +21,19 @@ def test_llama_8b_at_8k_is_one_gib_a_slot():
     assert plan.num_slots == 32 and plan.total_bytes == 32 * GiB  # capped at what is wanted
     tight = plan_slots(per_token, 8192, 32, budget=int(6.5 * GiB), free_bytes=int(7 * GiB))
     assert tight.num_slots == 6  # fewer than max_num_seqs: the rest wait
+
+
+def test_the_activation_reserve_is_never_the_caches():
+    per_token = 32 * 8 * 128 * 2 * 2  # 1 GiB a slot at 8192
+    # Sized to what is wanted: 4 slots fit 6 GiB free, not 6 GiB less a 3 GiB reserve.
+    assert plan_slots(per_token, 8192, 4, None, 6 * GiB).num_slots == 4
+    with pytest.raises(KVBudgetError, match=r"3\.00 GiB free once 3\.00 GiB is kept"):
+        plan_slots(per_token, 8192, 4, None, 6 * GiB, reserved_bytes=3 * GiB)
+    # A budget in bytes that the reserve leaves no room for is refused, with both figures.
+    with pytest.raises(KVBudgetError, match="kept for the passes' activations"):
+        plan_slots(per_token, 8192, 4, 5 * GiB, 6 * GiB, reserved_bytes=3 * GiB)
+    plan = plan_slots(per_token, 8192, 4, 3 * GiB, 6 * GiB, reserved_bytes=2 * GiB)
+    assert plan.num_slots == 3 and plan.reserved_bytes == 2 * GiB
 
 
 def test_budget_from_bytes_or_fraction():
@@ -111,3 +125,64 @@ def test_branches_never_take_slots_kept_for_sequences(tiny_draft):
     assert not drafter.has_room()
     drafter.propose(["s2", "s3"], [2, 2])  # their kept slots are there
     assert runner.num_free_slots == 0 and drafter.branch_slots() == 0
+
+
+# ----- the activation reserve --------------------------------------------------------------
+
+
+def test_peak_memory_counts_what_a_block_allocated_at_its_peak():
+    """Tensors made inside count while they live (a freed one still set the peak); views
+    and in-place results of tensors from before the block count nothing."""
+    before = torch.zeros(1 << 20)  # 4 MiB, from before the block
+    with PeakMemory(torch.device("cpu")) as peak:
+        before.add_(1)
+        view = before[:1000]  # noqa: F841
+        a = torch.ones(1 << 18)  # 1 MiB
+        b = torch.ones(1 << 19)  # 2 MiB, live with a: 3 MiB
+        del a, b
+        c = torch.ones(1 << 18)  # 1 MiB: the peak stays at 3 MiB
+    assert peak.bytes == 3 << 20
+    assert c.shape == (1 << 18,)
+
+
+def test_a_runner_keeps_its_largest_passes_peak_out_of_the_kv_budget(tiny_target):
+    """The largest passes are measured at load; the plan keeps the larger peak out of the
+    free memory. The verification's figure holds its logits (every position, every row,
+    float32) and the sampler's copy of them, so it is at least twice that size."""
+    runner = ModelRunner(
+        tiny_target,
+        max_num_seqs=4,
+        max_model_len=256,
+        max_num_batched_tokens=512,
+        reserve_activations=True,
+    )
+    peaks = runner.activation_peaks
+    assert set(peaks) == {"prefill", "verify"}
+    logits = 4 * 32 * runner.vocab_size * 4  # rows x positions x vocab x float32
+    assert peaks["verify"] >= 2 * logits
+    # The prefill (2 rows x 256 tokens) keeps hidden states of every token.
+    hidden = runner.model.config.hidden_size
+    assert peaks["prefill"] >= 512 * hidden * 4
+    assert runner.kv_plan.reserved_bytes == runner.activation_reserve_bytes == max(peaks.values())
+    assert ModelRunner(tiny_target, max_num_seqs=4, max_model_len=256).kv_plan.reserved_bytes == 0
+
+
+def test_a_colocated_pair_keeps_the_larger_of_its_two_reserves(tiny_target, tiny_draft):
+    draft = ModelRunner(
+        tiny_draft,
+        max_num_seqs=2,
+        max_model_len=128,
+        defer_kv=True,
+        reserve_activations=True,
+        max_num_batched_tokens=4096,
+    )
+    target = ModelRunner(
+        tiny_target,
+        max_num_seqs=2,
+        max_model_len=128,
+        kv_shared_with=draft,
+        reserve_activations=True,
+        max_num_batched_tokens=128,
+    )
+    assert draft.activation_reserve_bytes > target.activation_reserve_bytes > 0
+    assert target.kv_plan.reserved_bytes == draft.activation_reserve_bytes
