@@ -8,10 +8,11 @@
 ``cluster/serve/demo.yaml`` as it is (only the ports changed), a **fresh** application for
 every concurrency, prompts the recipe never saw (:mod:`bench.heldout`: third-party Python
 and licence texts), waves of c concurrent 64-token greedy requests alternating between
-the default (the config's policy) and speculation off, the order rotated every pair.
-Every wave counts, the first included: the ratio is what a user gets from the first
-minute, learning and all. Per wave it also records how much the default drafted (the
-policy's choices settling).
+the default (the config's policy) and speculation off, the order rotated every pair. Each
+application is used once ``/health`` says ok, as ``make serve`` waits for it (its graphs
+compiled; the seconds are recorded as ``startup_s``). Every wave counts, the first
+included: the ratio is what a user gets from the first minute, learning and all. Per
+wave it also records how much the default drafted (the policy's choices settling).
 
 Without ``--shipped``:
 
@@ -164,13 +165,14 @@ def settled_after(waves: list[dict]) -> int:
 
 
 async def measure_shipped(url: str, deploy, args) -> dict:
-    """A fresh application per concurrency (``deploy()``), then alternating waves."""
+    """A fresh application per concurrency (``deploy(http)``, which waits until it is
+    healthy), then alternating waves."""
     prompts = mixed(args.heldout_prompts, seed=args.seed)
     out = {}
     limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         for c in args.concurrency:
-            deploy()
+            startup_s = await deploy(http)
             requests = max(c, args.min_requests)
             waves = []
             for pair in range(args.waves):
@@ -195,6 +197,7 @@ async def measure_shipped(url: str, deploy, args) -> dict:
                 "default_over_off_total": round(sum(rate["default"]) / sum(rate["off"]), 3),
                 "default_over_off_first_pair": round(pairs[0][0] / pairs[0][1], 3),
                 "default_settled_after_waves": settled_after(default),
+                "startup_s": startup_s,
                 "waves": waves,
             }
             print(f"c={c}: default/off {out[str(c)]['default_over_off']}", flush=True)
@@ -236,9 +239,17 @@ def shipped_main(args) -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
-    def deploy():
-        serve.delete(app["name"])  # a fresh application: a new core, a new policy
+    async def deploy(http) -> float:
+        """A fresh application (a new core, a new policy), ready as ``make serve`` waits
+        for it: /health says ok (models loaded, graphs compiled). Returns the seconds."""
+        serve.delete(app["name"])
+        started = time.monotonic()
         serve.run(build_app(app_args), name=app["name"], route_prefix=app["route_prefix"])
+        while (await http.get("/health")).json().get("status") != "ok":
+            if time.monotonic() > started + 600:
+                raise RuntimeError("the shipped app did not become healthy in 600 s")
+            await asyncio.sleep(0.5)
+        return round(time.monotonic() - started, 1)
 
     try:
         results = asyncio.run(measure_shipped(f"http://127.0.0.1:{port}", deploy, args))
