@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from specdec.speculation_gate import GateConfig, SpeculationGate
 from specdec.speedup import expected_tokens_per_round
 from specdec.stats import alpha_hat
 
@@ -242,6 +243,9 @@ class LengthPolicyConfig:
     probe_k: int = 1  # the k a re-probe runs at (kept within [1, max(1, max_k)]) [tokens]
     min_gain: float = 0.1  # predicted goodput gain over k = 0 a k > 0 must show (0.1: 10 %)
     max_remeasure_every: int = 2048  # the most remeasure_every backs off to while k = 0 wins
+    # Measured wall-clock goodput with and without drafting per bucket, which may keep the
+    # policy's rows at k = 0 whatever the prediction (specdec.speculation_gate); None: off.
+    gate: GateConfig | None = field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
         default_k = self.max_k if self.default_k is None else self.default_k
@@ -304,6 +308,8 @@ class SpeculationLength:
         self._domains: dict[str, _Domain] = {}
         self._costs: dict[int, _Costs] = {}
         self._round = 0  # engine rounds planned (probing runs on this clock)
+        self.gate = SpeculationGate(c.gate) if c.gate is not None else None
+        self._open = True  # the gate's word for the round being planned
 
     # ----- observations -------------------------------------------------------------------
 
@@ -381,6 +387,7 @@ class SpeculationLength:
         after a drift alert said 0: drafting their rows would cost time for nothing."""
         self._round += 1
         c = self._bucket(batch_size)
+        bucket = batch_bucket(batch_size)
         c.rounds += 1
         if c.forced_left <= 0:
             c.forced = None
@@ -400,6 +407,8 @@ class SpeculationLength:
             remeasure = bool(stale) and c.count.get(stale[0], 0) >= self.explore_rounds
             if remeasure and domains is not None and not any(map(self._may_pay, domains)):
                 stale = []  # not now: checked again next round
+            elif remeasure and self.gate is not None and self.gate.favours_off(bucket):
+                stale = []  # drafting loses here by wall time: its costs can wait
             elif remeasure and stale[0] == self.anchors[-1]:  # one cycle: the longest anchor
                 c.remeasures += 1
                 # Back off while nothing paid here since the last cycle, once two cycles
@@ -418,10 +427,20 @@ class SpeculationLength:
                     c.fresh.add(c.forced)
                 c.tries[c.forced] = c.tries.get(c.forced, 0) + c.forced_left
                 c.tries_at[c.forced] = c.rounds
+        self._open = True
         if c.forced is None:
+            if self.gate is not None:
+                self._open = self.gate.is_open(bucket)
             return None
         c.forced_left -= 1
         return c.forced
+
+    def observe_round_wall(self, batch_size: int, drafted: bool, tokens: int, seconds: float):
+        """A round (not a cost measurement) committed ``tokens`` in ``seconds`` of the
+        loop's wall time, the admissions and prefills before it included; ``drafted``:
+        whether any row had drafts. What the gate decides from."""
+        if self.gate is not None:
+            self.gate.observe(batch_bucket(batch_size), drafted, tokens, seconds)
 
     def _may_pay(self, domain: str) -> bool:
         """Whether some k could pay for ``domain`` at some cost: unknown α̂ counts as yes."""
@@ -489,6 +508,9 @@ class SpeculationLength:
         if self._round < d.probe_until:
             d.k = self.probe_k
             return self.probe_k
+        if not self._open:  # measured: drafting loses at this batch size now
+            d.k = 0
+            return 0
         k = self.predicted_k(domain, batch_size)
         d.k = k
         if k > 0:

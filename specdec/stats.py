@@ -117,6 +117,9 @@ class RoundStats:
     planned_k: int  # the largest k asked: the k whose cost this round measures
     resuming: bool  # a row came back from a pause (its drafts began with a prefill)
     total_s: float = 0.0  # from gathering drafts to publishing outcomes [s]
+    # from the end of the round before (admissions and prefills between included; the
+    # round alone after the loop was idle) to this round's end [s]
+    wall_s: float = 0.0
     draft_wait_s: float = 0.0  # waiting for drafts (speculation-cache misses) [s]
     verify_s: float = 0.0  # the target's pass plus verification [s]
     draft_timeouts: int = 0  # rows that waited for drafts in vain

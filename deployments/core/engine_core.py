@@ -133,6 +133,7 @@ class EngineCore:
         self._outbox: list[EngineCoreOutput] = []
         self._out_base = 0
         self._verify_avg: float | None = None
+        self._last_round_end: float | None = None  # perf_counter at the last round's end
         self.timings = RoundTimings()
         self._paused_base = self._resumed_base = 0  # scheduler counts at the last reset
         self.error: str | None = None
@@ -345,6 +346,7 @@ class EngineCore:
                 while not (sched.running or self._new or self._aborts or sched.waiting):
                     if self._stopped:
                         return
+                    self._last_round_end = None  # idle time is no round's
                     self._cv.wait()
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, set()
@@ -536,7 +538,11 @@ class EngineCore:
         # First: the draft starts on it at once.
         self._message(items, freed, time.perf_counter() - t_round, stats.committed)
         self._publish(outputs)
-        stats.total_s = time.perf_counter() - t_round
+        now = time.perf_counter()
+        stats.total_s = now - t_round
+        since = self._last_round_end
+        stats.wall_s = stats.total_s if since is None else now - since
+        self._last_round_end = now
         self._record(stats)
 
     def _gather(self) -> tuple[dict[Hashable, PushedDraft], RoundStats]:

@@ -64,6 +64,7 @@ class Scheduler:
         self.running: dict[Hashable, RunningSeq] = {}
         self.has_draft = False  # a draft is connected (no draft: every k is 0)
         self.forced: int | None = None  # this round's cost-measurement k, if any
+        self._forced_running: int | None = None  # ... of the round now running
         self.dropped: list[Hashable] = []  # rows the draft must free (paused, given up)
         self.paused = 0  # rows the policy took out of the draft, and sent back in full
         self.resumed = 0
@@ -184,6 +185,8 @@ class Scheduler:
             return
         self.take_drift_alerts(alerts)
         domains = {seq.domain for seq in self.running.values() if seq.auto}
+        # The k of the round now running were chosen under the plan before this one.
+        self._forced_running = self.forced
         self.forced = self.policy.plan_round(batch_size, domains)
 
     def observe_round(self, stats: RoundStats) -> None:
@@ -202,3 +205,7 @@ class Scheduler:
             self.policy.observe_round_time(
                 stats.batch_size, stats.planned_k, stats.total_s, at_planned
             )
+            if self._forced_running is None:  # a cost measurement says nothing of goodput
+                self.policy.observe_round_wall(
+                    stats.batch_size, bool(stats.drafted_rows), stats.committed, stats.wall_s
+                )
