@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 class GateConfig:
     """The settings of :class:`SpeculationGate` (rounds: engine rounds of one bucket)."""
 
-    compare_rounds: int = 8  # rounds one measurement of the choice not running lasts
+    # rounds one measurement of the choice not running lasts (fewer than the scheduler's
+    # PAUSE_AFTER_ROUNDS: measuring k = 0 must not make the draft forget its rows)
+    compare_rounds: int = 6
     compare_every: int = 128  # rounds between such measurements, at first ...
     max_compare_every: int = 2048  # ... doubling up to this while they confirm the choice
     min_rounds: int = 4  # rounds a choice needs measured before its figure is used
