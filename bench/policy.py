@@ -224,6 +224,15 @@ def plot_shipped(results: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+async def _health(http) -> str | None:
+    """``/health``'s status, or None while the proxy has no route yet (it answers in
+    plain text then) or refuses the connection."""
+    try:
+        return (await http.get("/health")).json().get("status")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def shipped_main(args) -> None:
     import ray
     import yaml
@@ -245,7 +254,7 @@ def shipped_main(args) -> None:
         serve.delete(app["name"])
         started = time.monotonic()
         serve.run(build_app(app_args), name=app["name"], route_prefix=app["route_prefix"])
-        while (await http.get("/health")).json().get("status") != "ok":
+        while await _health(http) != "ok":
             if time.monotonic() > started + 600:
                 raise RuntimeError("the shipped app did not become healthy in 600 s")
             await asyncio.sleep(0.5)

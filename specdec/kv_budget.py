@@ -48,7 +48,14 @@ class KVPlan:
 
     def sharing(self, bytes_per_token: int, max_model_len: int) -> KVPlan:
         """The plan of the model that shares this budget: as many slots, its own size."""
-        return KVPlan(bytes_per_token, max_model_len, self.num_slots, self.num_slots, None)
+        return KVPlan(
+            bytes_per_token,
+            max_model_len,
+            self.num_slots,
+            self.num_slots,
+            None,
+            reserved_bytes=self.reserved_bytes,
+        )
 
     @property
     def total_bytes(self) -> int:

@@ -30,9 +30,11 @@ class PeakMemory:
     """``with PeakMemory(device) as peak: ...``; then ``peak.bytes``: the most memory
     the block held above its start [bytes]."""
 
+    bytes: int
+
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.bytes: int | None = None
+        self.bytes = 0
         self._base = 0
         self._counter: _LiveTensorBytes | None = None
 

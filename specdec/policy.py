@@ -436,9 +436,10 @@ class SpeculationLength:
         return c.forced
 
     def observe_round_wall(self, batch_size: int, drafted: bool, tokens: int, seconds: float):
-        """A round (not a cost measurement) committed ``tokens`` in ``seconds`` of the
-        loop's wall time, the admissions and prefills before it included; ``drafted``:
-        whether any row had drafts. What the gate decides from."""
+        """A round (not a cost measurement, every row's k the policy's) committed
+        ``tokens`` in ``seconds`` of the loop's wall time, the admissions and prefills
+        before it included; ``drafted``: whether its rows were asked for drafts. What the
+        gate decides from."""
         if self.gate is not None:
             self.gate.observe(batch_bucket(batch_size), drafted, tokens, seconds)
 

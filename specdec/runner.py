@@ -60,7 +60,10 @@ class ModelRunner:
     ``kv_cache_memory_fraction`` of the device's free memory after the weights) holds
     fewer; :attr:`max_num_seqs` is then the slot count, and :attr:`kv_plan` says why.
     A draft in the same process shares the budget: built with ``defer_kv``, it gets as
-    many slots as the target built with ``kv_shared_with=draft``.
+    many slots as the target built with ``kv_shared_with=draft``. With
+    ``reserve_activations`` the budget leaves the measured peak of the largest passes
+    free (:meth:`_measure_activations`; ``verifies`` False: a draft, whose passes keep
+    only the last position's logits).
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class ModelRunner:
         execution_mode: str = EAGER,
         max_compiled_query_len: int = 32,
         reserve_activations: bool = False,
+        verifies: bool = True,
     ):
         check_transformers_version()
         check_execution_mode(execution_mode)
@@ -128,7 +132,7 @@ class ModelRunner:
         self.kv_bytes_per_token = self._probe_kv()
         # Peak memory of the largest passes [bytes] by pass, kept out of the KV budget.
         self.activation_peaks: dict[str, int] = (
-            self._measure_activations(max_num_seqs) if reserve_activations else {}
+            self._measure_activations(max_num_seqs, verifies) if reserve_activations else {}
         )
         self.kv_plan: KVPlan | None = None
         self.max_num_seqs = 0
@@ -257,40 +261,65 @@ class ModelRunner:
         :attr:`activation_peaks`; 0 when not measured."""
         return max(self.activation_peaks.values(), default=0)
 
-    def _activation_shapes(self, max_num_seqs: int) -> dict[str, tuple[int, int, bool]]:
+    def _activation_shapes(
+        self, max_num_seqs: int, verifies: bool
+    ) -> dict[str, tuple[int, int, bool]]:
         """The largest passes as ``(rows, queries, last_only)``: a prefill of
         ``max_num_batched_tokens`` in chunks of at most ``prefill_chunk_size`` (last
-        logits only), and a verification of every row at ``max_compiled_query_len``
-        positions (every position's logits)."""
+        logits only), and a round of every row at ``max_compiled_query_len`` positions:
+        a target's verification keeps every position's logits, a draft's step only the
+        last (``verifies`` False)."""
         n = max(1, min(self.prefill_chunk_size, self.max_num_batched_tokens, self.max_model_len))
         rows = max(1, min(max_num_seqs, self.max_num_batched_tokens // n))
         verify_n = max(1, min(self.max_compiled_query_len, self.max_model_len))
-        return {"prefill": (rows, n, True), "verify": (max_num_seqs, verify_n, False)}
+        return {"prefill": (rows, n, True), "verify": (max_num_seqs, verify_n, not verifies)}
 
-    def _measure_activations(self, max_num_seqs: int) -> dict[str, int]:
-        """Run each of the largest passes once, eagerly, on a scratch cache made to fit it
-        (allocated before the peak is read: the cache is not the pass's), and return the
-        peak memory each took above that [bytes]; empty where the device cannot say. The
-        verification's figure adds one float32 copy of its logits: the sampler's
-        probabilities of every position, made after the forward while the logits live."""
+    def _measure_activations(self, max_num_seqs: int, verifies: bool) -> dict[str, int]:
+        """Each of the largest passes' peak memory at ``max_model_len`` of context [bytes].
+
+        Attention's transients grow with the keys a pass reads (masks of ``queries x
+        keys`` per row, keys and values copied out per query head where attention runs
+        by masks), and a pass at the full context would need a cache of the full size.
+        So each pass runs twice, eagerly, at two short contexts past its own queries (the
+        path later chunks and verifications take: masked, not causal from 0), on a
+        scratch cache allocated before the peak is read (the cache is not the pass's),
+        and the peak is extrapolated linearly in the context to ``max_model_len``. A
+        verification that keeps every position's logits adds one float32 copy of them:
+        the sampler's probabilities, made while the logits live."""
         peaks: dict[str, int] = {}
         try:
-            for name, (rows, n, last_only) in self._activation_shapes(max_num_seqs).items():
-                self.cache.allocate(rows, n + 1)
-                self.slots = SlotTable(rows)
-                ids = [f"activation-probe-{i}" for i in range(rows)]
-                for sid in ids:
-                    self.add(sid)
-                with PeakMemory(self.device) as peak:
-                    self.forward_padded(ids, [[0] * n] * rows, last_only=last_only)
-                if peak.bytes is None:
-                    logger.warning("peak memory is not measurable on %s: no reserve", self.device)
-                    return {}
-                peaks[name] = peak.bytes + (0 if last_only else rows * n * self.vocab_size * 4)
+            for name, (rows, n, last_only) in self._activation_shapes(
+                max_num_seqs, verifies
+            ).items():
+                step = max(16, n // 4)
+                contexts = [c for c in (n + step, n + 2 * step) if c <= self.max_model_len]
+                measured = [self._peak_at(rows, n, c, last_only) for c in contexts]
+                if len(measured) == 2:
+                    slope = max(0.0, (measured[1] - measured[0]) / step)
+                    peak = measured[1] + slope * (self.max_model_len - contexts[1])
+                else:  # no room past the pass in max_model_len: the pass as it comes
+                    peak = self._peak_at(rows, n, n, last_only)
+                logits = 0 if last_only else rows * n * self.vocab_size * 4
+                peaks[name] = int(peak) + logits
         finally:
             self.cache.allocate(1, 2)  # the scratch goes; the budget allocates for good
             self.slots = SlotTable(0)
+            if self.device.type == "cuda":  # else free memory would miss the probe's blocks
+                torch.cuda.empty_cache()
         return peaks
+
+    def _peak_at(self, rows: int, n: int, context: int, last_only: bool) -> int:
+        """Peak memory [bytes] of one pass of ``rows`` x ``n`` queries ending at
+        ``context`` cached positions (the earlier ones zeros of a scratch cache)."""
+        self.cache.allocate(rows, context + 1)
+        self.slots = SlotTable(rows)
+        ids = [f"activation-probe-{i}" for i in range(rows)]
+        for sid in ids:
+            self.add(sid)
+            self.slots.set_length(sid, context - n)
+        with PeakMemory(self.device) as peak:
+            self.forward_padded(ids, [[0] * n] * rows, last_only=last_only)
+        return peak.bytes
 
     def _probe_kv(self) -> int:
         """The cache's bytes per token, learnt from one probe token (heads, head_dim and

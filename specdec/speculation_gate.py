@@ -38,13 +38,13 @@ class GateConfig:
 
     def __post_init__(self) -> None:
         if (
-            self.compare_rounds < 1
+            self.compare_rounds <= self.min_rounds  # a trial must yield a figure
             or self.min_rounds < 1
             or not 0.0 < self.decay <= 1.0
             or self.max_compare_every < self.compare_every
         ):
             raise ValueError(
-                "need compare_rounds >= 1, min_rounds >= 1, 0 < decay <= 1, "
+                "need compare_rounds > min_rounds >= 1, 0 < decay <= 1, "
                 "max_compare_every >= compare_every"
             )
 
@@ -97,7 +97,9 @@ class SpeculationGate:
         if g.rounds[True] < c.min_rounds:
             return True  # speculation's own figure first (the length policy may still say 0)
         if g.rounds[False] < c.min_rounds:
-            return self._trial(g, False)
+            # Measured at most once per compare_every rounds: a trial whose rounds were not
+            # observed (other rows set their lengths) leaves the gate open meanwhile.
+            return self._trial(g, False) if g.planned >= g.next_compare else True
         best = g.rate(True) >= g.rate(False)
         if g.best is not None and g.planned >= g.next_compare:
             # The last measurement of the other choice confirmed this one: wait longer.
@@ -129,7 +131,8 @@ class SpeculationGate:
         return choice
 
     def observe(self, bucket: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A round of the batch-size ``bucket`` (``drafted``: some row had drafts) committed
+        """A round of the batch-size ``bucket`` (``drafted``: its rows were asked for drafts;
+        the caller passes only rounds whose lengths were all the policy's) committed
         ``tokens`` in ``seconds`` of wall time, the work between it and the round before
         included. Attributed by what the round did, not by what was planned."""
         if seconds <= 0:

@@ -116,6 +116,8 @@ class RoundStats:
     batch_size: int  # rows in the round
     planned_k: int  # the largest k asked: the k whose cost this round measures
     resuming: bool  # a row came back from a pause (its drafts began with a prefill)
+    # every row's k came from the length policy (no request set its own, none was off)
+    policy_rows: bool = False
     total_s: float = 0.0  # from gathering drafts to publishing outcomes [s]
     # from the end of the round before (admissions and prefills between included; the
     # round alone after the loop was idle) to this round's end [s]

@@ -154,7 +154,7 @@ class EngineCore:
         if config.colocated_draft is None:
             return load_runner(self.spec, config.max_num_seqs), None
         draft_spec = ModelSpec.model_validate(config.colocated_draft.spec)
-        draft_runner = load_runner(draft_spec, config.max_num_seqs, defer_kv=True)
+        draft_runner = load_runner(draft_spec, config.max_num_seqs, defer_kv=True, verifies=False)
         runner = load_runner(self.spec, config.max_num_seqs, kv_shared_with=draft_runner)
         return runner, draft_runner
 
@@ -566,6 +566,7 @@ class EngineCore:
             # Rows back from a pause made the draft prefill their whole context first: this
             # round's time says what resuming costs, not what a round at planned_k does.
             resuming=any(seq.resuming and seq.k_next > 0 for seq in seqs),
+            policy_rows=bool(seqs) and all(seq.auto for seq in seqs),
             draft_wait_s=got.waited_s,
             draft_timeouts=len(got.timed_out) if got.had_draft else 0,
         )

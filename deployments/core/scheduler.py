@@ -205,7 +205,9 @@ class Scheduler:
             self.policy.observe_round_time(
                 stats.batch_size, stats.planned_k, stats.total_s, at_planned
             )
-            if self._forced_running is None:  # a cost measurement says nothing of goodput
+            # A cost measurement says nothing of goodput, nor does a round whose lengths
+            # were partly someone else's (a request's own k, speculation off, a seed).
+            if self._forced_running is None and stats.policy_rows:
                 self.policy.observe_round_wall(
-                    stats.batch_size, bool(stats.drafted_rows), stats.committed, stats.wall_s
+                    stats.batch_size, stats.planned_k > 0, stats.committed, stats.wall_s
                 )

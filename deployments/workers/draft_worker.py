@@ -59,7 +59,7 @@ class DraftWorker:
         width, max_num_seqs = config.speculation_width, config.max_num_seqs
         # Branches of the speculation cache are sequences too, from the same KV budget:
         # slots for as many sequences as the core runs are kept, the rest hold branches.
-        self.runner = load_runner(self.spec, max_num_seqs * (1 + width))
+        self.runner = load_runner(self.spec, max_num_seqs * (1 + width), verifies=False)
         # A draft's graphs are small: compiled here, before the worker reports ready.
         self.compile_seconds = warm_up(self.runner)
         self.drafter = SpeculativeDrafter(

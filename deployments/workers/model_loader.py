@@ -73,10 +73,15 @@ def show_info_logs() -> None:
 
 
 def load_runner(
-    spec: ModelSpec, max_num_seqs: int, defer_kv: bool = False, kv_shared_with=None
+    spec: ModelSpec,
+    max_num_seqs: int,
+    defer_kv: bool = False,
+    kv_shared_with=None,
+    verifies: bool = True,
 ) -> ModelRunner:
-    """The spec's model on its device with its KV cache (see ModelRunner for the two
-    keyword arguments: a colocated draft's cache comes out of the target's budget). The
+    """The spec's model on its device with its KV cache (see ModelRunner for the
+    keyword arguments: a colocated draft's cache comes out of the target's budget; a
+    draft, ``verifies`` False, keeps no every-position logits in its reserve). The
     calling thread is configured for the spec once loaded, except for a deferred
     (colocated) draft: the target loads after it, with torch's defaults."""
     show_info_logs()
@@ -103,6 +108,7 @@ def load_runner(
         execution_mode=mode,
         # The largest passes run once first: their peak memory stays out of the budget.
         reserve_activations=True,
+        verifies=verifies,
     )
     if not defer_kv:
         configure_thread(spec)  # after loading: from_pretrained may use the default device

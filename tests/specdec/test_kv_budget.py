@@ -167,6 +167,32 @@ def test_a_runner_keeps_its_largest_passes_peak_out_of_the_kv_budget(tiny_target
     assert ModelRunner(tiny_target, max_num_seqs=4, max_model_len=256).kv_plan.reserved_bytes == 0
 
 
+def test_the_reserve_covers_the_full_context_and_a_draft_keeps_no_verification_logits(
+    tiny_target,
+):
+    """Attention's transients grow with the keys a pass reads: measured at two short
+    contexts and carried to max_model_len, a longer max_model_len reserves more for the
+    same rows. A draft (``verifies`` False) keeps only last-position logits: no
+    sampler's copy of ``rows x positions x vocab`` logits."""
+
+    def verify_peak(max_model_len, verifies=True):
+        runner = ModelRunner(
+            tiny_target,
+            max_num_seqs=4,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=256,
+            reserve_activations=True,
+            verifies=verifies,
+        )
+        return runner.activation_peaks["verify"], runner.vocab_size
+
+    short, vocab = verify_peak(128)
+    long, _ = verify_peak(2048)
+    assert long > short
+    drafted, _ = verify_peak(2048, verifies=False)
+    assert long - drafted >= 4 * 32 * vocab * 4  # at least the sampler's copy of the logits
+
+
 def test_a_colocated_pair_keeps_the_larger_of_its_two_reserves(tiny_target, tiny_draft):
     draft = ModelRunner(
         tiny_draft,
@@ -186,3 +212,4 @@ def test_a_colocated_pair_keeps_the_larger_of_its_two_reserves(tiny_target, tiny
     )
     assert draft.activation_reserve_bytes > target.activation_reserve_bytes > 0
     assert target.kv_plan.reserved_bytes == draft.activation_reserve_bytes
+    assert draft.kv_plan.reserved_bytes == target.kv_plan.reserved_bytes  # (its log says so)

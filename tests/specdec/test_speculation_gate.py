@@ -48,7 +48,19 @@ def test_rounds_count_as_what_they_did_not_what_was_planned():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="compare_rounds"):
-        GateConfig(compare_rounds=0)
+        GateConfig(compare_rounds=4, min_rounds=4)  # a trial would never yield a figure
+
+
+def test_a_trial_nobody_observed_leaves_the_gate_open_until_the_next_comparison():
+    """Rounds whose lengths other rows set are not observed: a trial of k = 0 that saw
+    none of its rounds is not repeated at once (which would hold the policy's rows at
+    k = 0 without ever measuring anything)."""
+    gate = SpeculationGate(GateConfig(compare_rounds=6, compare_every=100))
+    for _ in range(4):
+        assert gate.is_open(1)
+        gate.observe(1, True, 5, 0.01)
+    choices = [gate.is_open(1) for _ in range(100)]  # nothing observed meanwhile
+    assert choices[:6] == [False] * 6 and all(choices[6:])
 
 
 def simulate(policy, batch_size, alpha, cost, hidden, rounds, seed=0):
