@@ -223,6 +223,14 @@ class SpeculationConfig(_Strict):
         description="'goodput' policy: engine rounds between re-probes (4 rounds at k = 1) "
         "of a domain whose speculation is off, so that a recovered domain gets it back.",
     )
+    policy_gate: bool = Field(
+        default=True,
+        description="'goodput' policy: also measure, per batch size, committed tokens per "
+        "wall second of the engine's rounds with and without drafting (the admissions and "
+        "prefills between rounds included) and keep the policy's rows at k = 0 where "
+        "drafting measured slower, measuring the other choice again now and then "
+        "(specdec/speculation_gate.py). False: the per-row prediction alone decides.",
+    )
 
     def draft_length(
         self, enabled: bool, requested_k: int | None, seeded: bool, has_draft: bool

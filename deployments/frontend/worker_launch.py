@@ -22,6 +22,7 @@ from deployments.messages import ColocatedDraftConfig, DraftWorkerConfig, Engine
 from deployments.placement import placement_for
 from deployments.workers.draft_worker import DraftWorker
 from specdec.policy import LengthPolicyConfig
+from specdec.speculation_gate import GateConfig
 
 logger = logging.getLogger("specserve.engine")
 
@@ -118,7 +119,12 @@ class WorkerLauncher:
         if spec.policy != "goodput" or self.config.draft is None:
             return None
         k = spec.num_speculative_tokens
-        return LengthPolicyConfig(max_k=k, default_k=k, probe_every=spec.policy_probe_every)
+        return LengthPolicyConfig(
+            max_k=k,
+            default_k=k,
+            probe_every=spec.policy_probe_every,
+            gate=GateConfig() if spec.policy_gate else None,
+        )
 
     async def load(self, workers: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Each worker's ``ready`` info, all awaited at once; the first failure ends the

@@ -15,9 +15,10 @@ from deployments.messages import (
     EngineCoreRequest,
     PushedDraft,
 )
-from specdec.policy import LengthPolicyConfig, SpeculationLength
+from specdec.policy import LengthPolicyConfig, SpeculationLength, batch_bucket
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
+from specdec.stats import RoundStats, RowOutcome
 
 
 def item(sid, k=4, prompt=(1, 2, 3), auto=False):
@@ -98,6 +99,29 @@ def test_a_row_the_policy_keeps_at_zero_leaves_the_draft_and_comes_back():
     back = sched.draft_item(seq)
     assert back is not None and back.restart is not None  # resumed: sent in full
     assert seq.resuming and sched.resumed == 1
+
+
+def test_the_gate_hears_only_rounds_whose_lengths_were_all_the_policys():
+    """Wall-clock goodput reaches the gate from rounds planned without a cost
+    measurement and with every row's k the policy's, filed by the k asked for; a forced
+    round or a round with a request's own k says nothing (it would skew either figure)."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4))
+    sched = Scheduler(max_num_seqs=4, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+
+    def round_(planned_k, policy_rows, forced_before):
+        sched.forced = forced_before  # the plan the observed round's k were chosen under
+        sched.plan_round(2, [])
+        stats = RoundStats(2, planned_k, False, total_s=0.01, wall_s=0.02, policy_rows=policy_rows)
+        stats.rows = [RowOutcome("d", planned_k, planned_k, False, planned_k + 1, True)] * 2
+        sched.observe_round(stats)
+
+    round_(4, True, None)  # heard: drafted
+    round_(0, True, None)  # heard: not drafted
+    round_(4, False, None)  # a request's own k in the round: not heard
+    round_(4, True, 4)  # a cost measurement: not heard
+    gate = policy.gate._gates[batch_bucket(2)]
+    assert gate.rounds == {True: 1, False: 1}
+    assert gate.rate(True) == 10 / 0.02 and gate.rate(False) == 2 / 0.02
 
 
 # ----- the draft link (no draft actor: pushes are stored and gathered) -------------------------
