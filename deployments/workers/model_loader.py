@@ -112,29 +112,39 @@ def load_runner(
     )
     if not defer_kv:
         configure_thread(spec)  # after loading: from_pretrained may use the default device
+    _log_loaded(spec, runner, time.monotonic() - started)
+    for r in (runner, kv_shared_with):
+        if r is not None and r.kv_plan is not None:
+            _log_kv(r)
+    return runner
+
+
+def _log_loaded(spec: ModelSpec, runner: ModelRunner, seconds: float) -> None:
     size = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     logger.info(
         "loaded %s in %.1f s: %.2f GB of weights, %d logits rows, context %d",
         spec.model,
-        time.monotonic() - started,
+        seconds,
         size / 1e9,
         runner.vocab_size,
         runner.max_model_len,
     )
-    for r in (runner, kv_shared_with):
-        if r is not None and r.kv_plan is not None:
-            logger.info(
-                "KV cache of %s: %d slots x %d tokens (max_model_len) x %d bytes per token "
-                "= %.2f GB; %.2f GB kept for activations (measured peaks: %s)",
-                r.model.name_or_path,
-                r.max_num_seqs,
-                r.max_model_len,
-                r.kv_plan.bytes_per_token,
-                r.kv_plan.total_bytes / 1e9,
-                r.kv_plan.reserved_bytes / 1e9,
-                ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in r.activation_peaks.items()),
-            )
-    return runner
+
+
+def _log_kv(runner: ModelRunner) -> None:
+    """The KV arithmetic of a runner whose cache is allocated, with its activation reserve."""
+    plan = runner.kv_plan
+    logger.info(
+        "KV cache of %s: %d slots x %d tokens (max_model_len) x %d bytes per token "
+        "= %.2f GB; %.2f GB kept for activations (measured peaks: %s)",
+        runner.model.name_or_path,
+        runner.max_num_seqs,
+        runner.max_model_len,
+        plan.bytes_per_token,
+        plan.total_bytes / 1e9,
+        plan.reserved_bytes / 1e9,
+        ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in runner.activation_peaks.items()),
+    )
 
 
 def warm_up(runner: ModelRunner) -> dict[str, float]:
