@@ -179,9 +179,11 @@ def test_no_remeasurement_while_no_domain_of_the_round_could_ever_pay():
     assert mixed[0] is not None  # long overdue: the next round with a payable domain
 
 
-def simulate(policy, batch_size, alpha, cost, rounds, seed=0):
-    """A synthetic engine: ``batch_size`` rows of one domain; round time ``cost(b, k)``;
-    accepted tokens drawn per row. Returns committed tokens per second."""
+def simulate(policy, batch_size, alpha, cost, rounds, seed=0, hidden=None):
+    """A synthetic engine: ``batch_size`` rows of one domain; a round's critical path
+    (what the length policy measures) is ``cost(b, k)``; accepted tokens drawn per row.
+    ``hidden(b, k)``: wall time a round adds beyond it (work between rounds that drafting
+    brings), reported to the policy's gate. Returns committed tokens per wall second."""
     rng = random.Random(seed)
     tokens = seconds = 0.0
     for _ in range(rounds):
@@ -191,17 +193,22 @@ def simulate(policy, batch_size, alpha, cost, rounds, seed=0):
             for _ in range(batch_size)
         ]
         k = max(ks)
+        committed = 0
         for row_k in ks:
             a = 0
             while a < row_k and rng.random() < alpha:
                 a += 1
             if policy is not None:
                 policy.observe_round("d", row_k, a)
-            tokens += a + 1
+            committed += a + 1
         t = cost(batch_size, k)
-        seconds += t
+        wall = t + (hidden(batch_size, k) if hidden is not None else 0.0)
+        tokens += committed
+        seconds += wall
         if policy is not None:
             policy.observe_round_time(batch_size, k, t)
+            if hidden is not None and forced is None:
+                policy.observe_round_wall(batch_size, k > 0, committed, wall)
     return tokens / seconds
 
 

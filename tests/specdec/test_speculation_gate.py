@@ -1,11 +1,10 @@
 """SpeculationGate, and the length policy under it: pure decisions, synthetic engines."""
 
-import random
-
 import pytest
 
 from specdec.policy import LengthPolicyConfig, SpeculationLength, batch_bucket
 from specdec.speculation_gate import GateConfig, SpeculationGate
+from tests.specdec.test_policy import simulate
 
 
 def gate_rounds(gate, bucket, rounds, rate_on, rate_off, tokens=16):
@@ -63,38 +62,6 @@ def test_a_trial_nobody_observed_leaves_the_gate_open_until_the_next_comparison(
     assert choices[:6] == [False] * 6 and all(choices[6:])
 
 
-def simulate(policy, batch_size, alpha, cost, hidden, rounds, seed=0):
-    """A synthetic engine: ``batch_size`` rows of one domain. A round's critical path
-    (what the length policy measures) is ``cost(b, k)``; its wall time adds
-    ``hidden(b, k)``, work between rounds that drafting brings (staggered admissions and
-    prefills). Returns committed tokens per wall second."""
-    rng = random.Random(seed)
-    tokens = seconds = 0.0
-    for _ in range(rounds):
-        forced = policy.plan_round(batch_size) if policy is not None else None
-        ks = [
-            policy.choose("d", batch_size, forced=forced) if policy is not None else 4
-            for _ in range(batch_size)
-        ]
-        k = max(ks)
-        committed = 0
-        for row_k in ks:
-            a = 0
-            while a < row_k and rng.random() < alpha:
-                a += 1
-            if policy is not None:
-                policy.observe_round("d", row_k, a)
-            committed += a + 1
-        t, wall = cost(batch_size, k), cost(batch_size, k) + hidden(batch_size, k)
-        tokens += committed
-        seconds += wall
-        if policy is not None:
-            policy.observe_round_time(batch_size, k, t)
-            if forced is None:
-                policy.observe_round_wall(batch_size, k > 0, committed, wall)
-    return tokens / seconds
-
-
 def cost(b, k):  # CPU-like: verification grows with b·(k + 1) past a fixed cost
     return 0.01 + 0.0012 * b * (k + 1) + 0.0015 * k * (1 + 0.05 * b)
 
@@ -110,14 +77,16 @@ def test_the_gate_keeps_the_policy_near_the_better_of_on_and_off_by_wall_time(ba
     rows); with the gate the policy stays within 3 % of the better of always k = 4 and
     always k = 0, exploration and re-measurements included."""
     rounds = 4000
-    on = simulate(None, batch_size, 0.75, cost, hidden, rounds)
+    on = simulate(None, batch_size, 0.75, cost, rounds, hidden=hidden)
     off = batch_size / cost(batch_size, 0)
     config = {"max_k": 6, "default_k": 4}
     policies = {
         "gated": SpeculationLength(LengthPolicyConfig(**config)),
         "ungated": SpeculationLength(LengthPolicyConfig(**config, gate=None)),
     }
-    got = {n: simulate(p, batch_size, 0.75, cost, hidden, rounds) for n, p in policies.items()}
+    got = {
+        n: simulate(p, batch_size, 0.75, cost, rounds, hidden=hidden) for n, p in policies.items()
+    }
     gated, ungated = got["gated"], got["ungated"]
     assert gated >= 0.97 * max(on, off), (gated, on, off)
     if batch_size == 16:
