@@ -30,11 +30,23 @@ def machine() -> dict:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "transformers": _version("transformers"),
         "load_avg_at_start": os.getloadavg(),
     }
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def commit() -> str:
+    """``git describe`` of the tree, or ``$BENCH_COMMIT`` where the tree travelled without
+    its ``.git`` (the lent GPU machine gets a copy of the files alone)."""
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
@@ -45,12 +57,13 @@ def commit() -> str:
         )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("BENCH_COMMIT", "unknown")
 
 
-def write_result(name: str, settings: dict, results: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_result(name: str, settings: dict, results: dict, directory: Path = RESULTS) -> Path:
+    """Writes ``directory/name.json`` (default ``bench/results``) and returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     payload = {
         "benchmark": name,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

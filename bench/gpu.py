@@ -25,8 +25,9 @@ depths and vocabulary), in bf16 on the device, and measures with :mod:`specdec`'
   ``torch.compile`` (CUDA graphs on a GPU), and assisted generation with the draft (whose
   random weights accept little, so it is the cost of the machinery, not a speedup).
 
-Results are written after every section to ``--out`` (default ``bench/results/gpu.json``,
-``gpu_smoke.json`` with ``--smoke``), so a run cut short keeps what it measured.
+Results are written after every section to ``gpu.json`` (``gpu_smoke.json`` with
+``--smoke``) in ``--out`` (default ``bench/results``), so a run cut short keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -307,6 +308,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip transformers + compile")
+    ap.add_argument("--no-peers", action="store_true", help="skip transformers altogether")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for the JSON and PNG (default bench/results)",
+    )
     ap.add_argument(
         "--execution-mode",
         default="eager",
@@ -341,7 +349,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     models = [build_model(m, args.device, dtype, args.smoke) for m in (TARGET, DRAFT)]
     results["build_s"] = time.perf_counter() - t0
-    save = _saver(name, vars(args), results)
+    save = _saver(name, vars(args), results, args.out)
     results["bandwidth_gb_s"] = bandwidth(device, (1 << 24) if args.smoke else (1 << 30)) / 1e9
     save("bandwidth")
     length = served_length(args)
@@ -365,21 +373,24 @@ def main(argv=None) -> None:
     save("passes")
     results["decoding"] = measure_decoding(target, draft, args, gen)
     save("decoding")
-    results["transformers_batch1"] = transformers_batch1(*models, args, gen)
+    if not args.no_peers:
+        results["transformers_batch1"] = transformers_batch1(*models, args, gen)
     path = save("transformers")
     _plot(results, path.with_suffix(".png"))
     print(f"wrote {path}")
 
 
-def _saver(name: str, settings: dict, results: dict):
+def _saver(name: str, settings: dict, results: dict, out: Path | None):
     """Writes the results so far (JSON, with machine and commit) after each section."""
     import bench.common
 
     settings = {**settings, "target": TARGET, "draft": DRAFT, "commit": commit()}
+    settings["out"] = str(out) if out else None
+    directory = out or bench.common.RESULTS
 
     def save(section: str) -> Path:
-        print(f"[bench.gpu] {section} done")
-        return bench.common.write_result(name, settings, results)
+        print(f"[bench.gpu] {section} done", flush=True)
+        return bench.common.write_result(name, settings, results, directory)
 
     return save
 

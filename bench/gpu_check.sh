@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine is for, in one call that fits its lease (about 9 minutes):
+#
+#   bash bench/gpu_check.sh OUT_DIR [COMMIT]
+#
+# Why a script: a lent machine is held for minutes, starts bare (torch 2.11, transformers
+# 5.17, no Ray, no network) and keeps nothing, so the checks run in one go, each under a
+# time box of its own, each writing its log and JSON into OUT_DIR as it goes (a box that
+# runs out loses only its own section). In order of what a result is worth:
+#   1. bench.gpu with the eager runners (the reference), peers included;
+#   2. bench.gpu with SpecServe's compiled graphs (torch_compile), without the peers;
+#   3. tests/specdec with their runners and references on the GPU.
+# The boxes (seconds) can be changed through the environment: EAGER_S, COMPILED_S, TESTS_S;
+# BENCH_ARGS are added to both bench.gpu runs and TEST_DEVICE (default cuda) is the tests'
+# --device, so that `BENCH_ARGS="--device cpu --smoke" TEST_DEVICE=cpu` tries it here.
+set -u
+out=${1:?usage: bench/gpu_check.sh OUT_DIR [COMMIT]}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export BENCH_COMMIT=${2:-${BENCH_COMMIT:-unknown}}
+py=${PYTHON:-python3}
+
+box() {  # box NAME SECONDS COMMAND...: run COMMAND with a time limit, log to OUT_DIR/NAME.log
+    local name=$1 seconds=$2
+    shift 2
+    local t0=$SECONDS
+    timeout -k 10 "$seconds" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "[gpu_check] $name: exit $rc after $((SECONDS - t0)) s (box $seconds s)" | tee -a "$out/summary.txt"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    "$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
+} 2>&1 | tee "$out/summary.txt"
+
+# shellcheck disable=SC2086  # BENCH_ARGS are words
+box eager "${EAGER_S:-300}" "$py" -m bench.gpu --out "$out/eager" ${BENCH_ARGS:-}
+box compiled "${COMPILED_S:-160}" "$py" -m bench.gpu --execution-mode torch_compile --no-peers \
+    --out "$out/compiled" ${BENCH_ARGS:-}
+# Four workers where pytest-xdist is installed (the lent machine's image has it).
+workers=$("$py" -c 'import xdist' 2>/dev/null && echo "-n 4")
+# shellcheck disable=SC2086  # $workers is empty or two words
+box tests "${TESTS_S:-100}" "$py" -m pytest -q --maxfail=20 -p no:cacheprovider $workers \
+    tests/specdec --device "${TEST_DEVICE:-cuda}"
+
+tail -n 3 "$out/tests.log" >>"$out/summary.txt"
+"$py" - "$out" <<'EOF' | tee -a "$out/summary.txt"
+import json, sys
+from pathlib import Path
+
+for mode in ("eager", "compiled"):
+    found = sorted((Path(sys.argv[1]) / mode).glob("gpu*.json"))
+    path = found[0] if found else Path("missing")
+    if not path.exists():
+        print(f"{mode}: no results")
+        continue
+    r = json.loads(path.read_text())["results"]
+    print(f"{mode}: bandwidth {r.get('bandwidth_gb_s', 0):.0f} GB/s")
+    for kind, rows in r.get("passes", {}).items():
+        for key, v in rows.items():
+            print(f"  {kind} {key}: {v['ms']:.2f} ms, floor {v['floor_ms']:.2f} ms ({v['floor_fraction']:.2f})")
+    for batch, row in r.get("decoding", {}).items():
+        parts = [f"plain {row['plain']:.0f}"]
+        parts += [f"{k} {v['tokens_per_s']:.0f} ({v['speedup_vs_plain']:.2f}x)" for k, v in row.items() if k != "plain"]
+        print(f"  {batch}: tokens/s " + ", ".join(parts))
+    for key, v in r.get("transformers_batch1", {}).items():
+        print(f"  transformers {key}: {v:.1f}")
+EOF
