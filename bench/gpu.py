@@ -261,9 +261,9 @@ def measure_decoding(target, draft, args, gen) -> dict:
     return out
 
 
-def transformers_batch1(target_model, draft_model, args, gen) -> dict:
-    """tokens/s of transformers ``generate`` at batch 1: plain eager, assisted, then
-    static cache + torch.compile (last: it compiles the target's forward in place)."""
+def transformers_batch1(target_model, draft_model, args, gen, out: dict, save) -> None:
+    """tokens/s of transformers ``generate`` at batch 1 into ``out``, saved after each: plain
+    eager, assisted, then static cache + torch.compile (last: it compiles the forward)."""
     device = target_model.device
     vocab = target_model.get_input_embeddings().weight.shape[0]
     prompt = torch.tensor([[gen.randrange(vocab) for _ in range(args.context)]], device=device)
@@ -279,21 +279,30 @@ def transformers_batch1(target_model, draft_model, args, gen) -> dict:
     def rate(**extra) -> float:
         return n / timed(lambda: target_model.generate(prompt, **kwargs, **extra), device, 2)
 
-    out = {"plain_eager": rate(), "assisted": rate(assistant_model=draft_model)}
-    if not args.no_compile:
-        # gpt-fast's recipe, by hand; generate's own compile of static-cache decoding (on
-        # CUDA) is turned off so that the forward is not compiled twice.
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-        target_model.forward = torch.compile(target_model.forward, mode=mode, fullgraph=True)
-        static = {"cache_implementation": "static", "disable_compile": True}
-        # Room beside the graphs SpecServe's runners (and, under pytest, other tests)
-        # made of the same class's forward: torch allows 8 per code object by default.
-        with torch._dynamo.config.patch(recompile_limit=1024):
-            t0 = time.perf_counter()
+    out["plain_eager"] = rate()
+    save("transformers plain")
+    out["assisted"] = rate(assistant_model=draft_model)
+    save("transformers assisted")
+    if args.no_compile:
+        return
+    static: dict = {"cache_implementation": "static"}
+    if device.type != "cuda":
+        # gpt-fast's recipe, by hand: generate compiles static-cache decoding by itself only
+        # on accelerators (there with CUDA graphs, which need its step marking, so it is
+        # left to compile there).
+        target_model.forward = torch.compile(target_model.forward, fullgraph=True)
+        static["disable_compile"] = True
+    # Room beside the graphs SpecServe's runners (and, under pytest, other tests) made of
+    # the same class's forward: torch allows 8 per code object by default.
+    with torch._dynamo.config.patch(recompile_limit=1024):
+        t0 = time.perf_counter()
+        try:
             target_model.generate(prompt, **kwargs, **static)
-            out["static_compile_warmup_s"] = time.perf_counter() - t0
-            out["static_compile"] = rate(**static)
-    return out
+        except Exception as exc:  # a peer that fails to compile is a result, not a crash
+            out["static_compile_error"] = repr(exc)[:500]
+            return
+        out["static_compile_warmup_s"] = time.perf_counter() - t0
+        out["static_compile"] = rate(**static)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -374,7 +383,8 @@ def main(argv=None) -> None:
     results["decoding"] = measure_decoding(target, draft, args, gen)
     save("decoding")
     if not args.no_peers:
-        results["transformers_batch1"] = transformers_batch1(*models, args, gen)
+        results["transformers_batch1"] = {}
+        transformers_batch1(*models, args, gen, results["transformers_batch1"], save)
     path = save("transformers")
     _plot(results, path.with_suffix(".png"))
     print(f"wrote {path}")
