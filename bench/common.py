@@ -45,8 +45,11 @@ def _version(package: str) -> str | None:
 
 
 def commit() -> str:
-    """``git describe`` of the tree, or ``$BENCH_COMMIT`` where the tree travelled without
-    its ``.git`` (the lent GPU machine gets a copy of the files alone)."""
+    """``$BENCH_COMMIT`` where set, else ``git describe`` of the tree. The lent GPU machine
+    gets a copy of the working tree whose ``.git`` can be older than its files (read there
+    as the session's starting commit, "-dirty"), so its runs name the commit they ran."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
@@ -57,7 +60,7 @@ def commit() -> str:
         )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
+        return "unknown"
 
 
 def write_result(name: str, settings: dict, results: dict, directory: Path = RESULTS) -> Path:

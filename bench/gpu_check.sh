@@ -17,7 +17,7 @@ set -u
 out=${1:?usage: bench/gpu_check.sh OUT_DIR [COMMIT]}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export BENCH_COMMIT=${2:-${BENCH_COMMIT:-unknown}}
+export BENCH_COMMIT=${2:-${BENCH_COMMIT:-}}
 py=${PYTHON:-python3}
 
 box() {  # box NAME SECONDS COMMAND...: run COMMAND with a time limit, log to OUT_DIR/NAME.log

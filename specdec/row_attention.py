@@ -23,10 +23,12 @@ for it. Run without :class:`RowSpans`, the function is transformers' SDPA.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -34,6 +36,24 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from specdec.attention import SLIDING, AttentionLayout, build_masks
 
 ROW_ATTENTION = "specserve_rows"  # the name models are switched to
+
+# SDPA's CUDA kernels a runner's passes may use, in PyTorch's order of preference. cuDNN's
+# is left out: it builds an execution plan for every new shape (then caches it), and a
+# runner's keys grow by one or more every pass. Measured on an H100 (torch 2.11, bench.gpu,
+# eager): a decode step of the Llama-3.2-1B-shaped draft took 50 ms against 11.7 ms for
+# the same pass repeated at one length, the 8B target's 57 against 22 ms; the profile
+# showed SDPA running cuDNN's kernel. Flash and memory-efficient attention take any length.
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA kernels a forward on ``device`` runs with (enter it around the pass): on
+    CUDA every kernel but cuDNN's, elsewhere whatever PyTorch picks."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(_CUDA_SDPA_BACKENDS)
+
+
 ROW_SPANS_KWARG = "specserve_row_spans"  # the forward keyword that carries RowSpans
 
 

@@ -28,7 +28,13 @@ from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, kv_free_b
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 from specdec.kv_manager import SlotTable
 from specdec.peak_memory import PeakMemory
-from specdec.row_attention import ROW_ATTENTION, ROW_SPANS_KWARG, RowAttentionUnavailable, RowSpans
+from specdec.row_attention import (
+    ROW_ATTENTION,
+    ROW_SPANS_KWARG,
+    RowAttentionUnavailable,
+    RowSpans,
+    sdpa_backends,
+)
 
 logger = logging.getLogger("specserve.runner")
 
@@ -493,11 +499,12 @@ class ModelRunner:
                 # specialises a graph on its sizes); _commit picks each row's last.
                 **({} if compiled else self._logits_to_keep(plan, last_only)),
             )
-            if compiled:
-                shape = PassShape(len(plan.slots) == 1, plan.n == 1)
-                out = self._compiled(shape, inputs.dynamic(), **kwargs)
-            else:
-                out = self.model(**kwargs)
+            with sdpa_backends(self.device):
+                if compiled:
+                    shape = PassShape(len(plan.slots) == 1, plan.n == 1)
+                    out = self._compiled(shape, inputs.dynamic(), **kwargs)
+                else:
+                    out = self.model(**kwargs)
         finally:
             self.cache.layout = None
         return self._commit(seq_ids, plan, out.logits, last_only)
