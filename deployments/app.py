@@ -2,7 +2,8 @@
 
 Each ``SpecServeDeployment`` replica owns a draft/target pair; the one ``monitor``
 deployment (:mod:`monitoring.deployment`) receives every replica's round records and
-serves metrics and drift alerts for all of them.
+serves metrics and drift alerts for all of them; with ``adaptation.retention.enabled``,
+the one adaptation deployment (:mod:`adaptation.deployment`) keeps finished requests.
 
 ``serve deploy cluster/serve/demo.yaml`` imports :func:`build_app` with the YAML's
 ``args``; those are validated by :class:`deployments.config.AppConfig`, the same schema
@@ -11,8 +12,10 @@ Python callers use through :func:`build_specserve_app`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -22,8 +25,10 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from adaptation.deployment import AdaptationDeployment
 from deployments.config import AppConfig, EngineConfig
 from deployments.frontend.engine_client import EngineClient
+from deployments.frontend.request_state import RequestState
 from deployments.messages import TokenLogprob
 from deployments.openai.api_keys import KeyStore
 from deployments.openai.server import create_app
@@ -84,7 +89,12 @@ def preflight(config: EngineConfig, tokenizer) -> None:
 class SpecServeDeployment:
     """A replica: the engine (with its own draft/target workers) plus the OpenAI API."""
 
-    async def __init__(self, config: dict[str, Any], monitor: DeploymentHandle | None = None):
+    async def __init__(
+        self,
+        config: dict[str, Any],
+        monitor: DeploymentHandle | None = None,
+        adaptation: DeploymentHandle | None = None,
+    ):
         self.config = AppConfig.model_validate(config)
         # Keys are read here, in the replica: its environment and its node's files.
         self.keys = KeyStore.from_config(self.config, os.environ)
@@ -97,6 +107,8 @@ class SpecServeDeployment:
         pg = ray.util.get_current_placement_group()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.monitor = monitor
+        self.adaptation = adaptation
+        self._retaining: set[asyncio.Task] = set()  # sends in flight (held against GC)
         self.domains = DomainResolver(self.config.monitoring)  # for handle calls
         self.engine = EngineClient(
             self.config.engine,
@@ -105,8 +117,24 @@ class SpecServeDeployment:
             telemetry=self._send_telemetry if monitor is not None else None,
             flush_interval_s=self.config.monitoring.flush_interval_s,
             replica=self.replica_id,
+            on_finished=self._retain if adaptation is not None else None,
         )
         await self.engine.start()
+
+    def _retain(self, req: RequestState) -> None:
+        """Send a finished request to the adaptation deployment, off the request's path
+        (a lost send loses one training example, never a request)."""
+        task = asyncio.get_running_loop().create_task(self._send_retained(req, time.time()))
+        self._retaining.add(task)
+        task.add_done_callback(self._retaining.discard)
+
+    async def _send_retained(self, req: RequestState, at: float) -> None:
+        try:
+            await self.adaptation.retain.remote(
+                req.domain, req.prompt_token_ids, list(req.output_token_ids), at
+            )
+        except Exception as exc:  # the deployment restarting, or gone
+            logger.warning("retention: request %s not kept: %r", req.request_id, exc)
 
     async def _send_telemetry(self, batch, requests, cursor):
         """The engine's telemetry sink: one call to the monitor deployment per flush."""
@@ -191,7 +219,12 @@ def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Applic
         monitor = MonitorDeployment.options(name=f"{name}Monitor").bind(
             config.monitoring.model_dump()
         )
-    return SpecServeDeployment.options(**options).bind(config.model_dump(), monitor)
+    adaptation = None
+    if config.adaptation.retention.enabled:
+        adaptation = AdaptationDeployment.options(name=f"{name}Adaptation").bind(
+            config.adaptation.model_dump()
+        )
+    return SpecServeDeployment.options(**options).bind(config.model_dump(), monitor, adaptation)
 
 
 def build_app(args: dict[str, Any]) -> Application:

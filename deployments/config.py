@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from adaptation.config import AdaptationConfig
 from monitoring.config import MonitoringConfig
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -525,6 +526,11 @@ class AppConfig(_Strict):
     monitoring: MonitoringConfig = Field(
         default_factory=MonitoringConfig,
         description="Metrics, drift detection and alerts (the monitor deployment).",
+    )
+    adaptation: AdaptationConfig = Field(
+        default_factory=AdaptationConfig,
+        description="Adapting the draft to live traffic: which finished requests are kept "
+        "as its training data (the adaptation deployment; off by default).",
     )
     num_replicas: int | None = Field(
         default=1, ge=1, description="Fixed replica count (each owns a draft/target pair)."

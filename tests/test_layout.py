@@ -62,19 +62,21 @@ def test_the_leaves_import_no_layer(leaf):
         assert {m.split(".")[0] for m in imports(path)} & {"monitoring"} == set()
 
 
-def test_the_monitor_imports_only_specdec_and_itself():
+@pytest.mark.parametrize("package", ["monitoring", "adaptation"])
+def test_the_monitor_and_adaptation_import_only_specdec_and_themselves(package):
     wrong = [
         f"{name_of(path)} imports {m}"
-        for path in modules("monitoring")
+        for path in modules(package)
         for m in imports(path)
-        if m.split(".")[0] in {"deployments", "bench", "tests"}
+        if m.split(".")[0] in {"deployments", "bench", "tests", "monitoring", "adaptation"}
+        and m.split(".")[0] != package
     ]
     assert wrong == []
 
 
 def test_no_function_is_longer_than_the_limit():
     long = []
-    for package in ("deployments", "specdec"):
+    for package in ("deployments", "specdec", "adaptation"):
         for path in modules(package):
             if "demo" in path.relative_to(ROOT).parts:  # the demo recipe aside
                 continue

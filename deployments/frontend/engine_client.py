@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
@@ -68,8 +68,12 @@ class EngineClient:
         telemetry: TelemetrySink | None = None,
         flush_interval_s: float = 1.0,
         replica: str = "",
+        on_finished: Callable[[RequestState], None] | None = None,
     ):
         self.config = config
+        # Called with each request that finished by a stop or its length (not an error or
+        # an abort): the replica hands it to the adaptation deployment's retention.
+        self.on_finished = on_finished
         self.launcher = WorkerLauncher(config, placement_group, tokenizer)
         self.tokenizer = tokenizer  # for text and stop strings (None: token ids only)
         # Round and request records go to ``telemetry`` (the monitor) every
@@ -300,6 +304,8 @@ class EngineClient:
                     t_first = time.perf_counter()
                 yield item
                 if item.finished:
+                    if self.on_finished is not None and item.finish_reason in ("stop", "length"):
+                        self.on_finished(req)
                     return
         except BaseException as exc:
             if not req.finished or not isinstance(exc, GeneratorExit):  # else: closed at its end

@@ -1,4 +1,7 @@
-"""The engine as a Ray Serve deployment: placement bundles, handles, streaming."""
+"""The engine as a Ray Serve deployment: placement bundles, handles, streaming, and the
+adaptation deployment's retention of finished requests."""
+
+import time
 
 import pytest
 from ray import serve
@@ -24,7 +27,12 @@ def serve_engine(serve_http, tiny_target, tiny_draft):
     )
     handle = serve.run(
         build_specserve_app(
-            config=AppConfig(engine=cfg, monitoring={"prometheus_port": None}), name="engine-test"
+            config=AppConfig(
+                engine=cfg,
+                monitoring={"prometheus_port": None},
+                adaptation={"retention": {"enabled": True, "domains": ["python"]}},
+            ),
+            name="engine-test",
         ),
         name="engine-test",
         route_prefix=None,
@@ -56,3 +64,38 @@ def test_streamed_greedy_output_through_handle_equals_target_only(serve_engine, 
     assert tokens == expected
     assert len(chunks) > 1 and chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
     assert chunks[-1]["stats"]["drafted"] > 0
+
+
+def _finish(handle, prompt: list[int], domain: str, max_tokens: int) -> list[int]:
+    """One greedy request through the handle, to its end; its output token ids."""
+    request = {
+        "prompt_token_ids": prompt,
+        "params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+        "domain": domain,
+    }
+    chunks = list(handle.options(stream=True).generate.remote(request))
+    assert chunks[-1]["finished"]
+    return [t for c in chunks for t in c["new_token_ids"]]
+
+
+def test_finished_requests_of_allowed_domains_are_retained_and_can_be_dropped(serve_engine):
+    """The replica sends each finished request to the adaptation deployment (off the
+    request's path); only allowed domains are kept; an operator lists and drops them."""
+    store = serve.get_deployment_handle("engine-testAdaptation", "engine-test")
+    prompt = [40, 41, 42, 43]
+    # Not on the allow list; finished (and sent) first, so it would be there by the time
+    # the python request is.
+    _finish(serve_engine, [50, 51, 52], "prose", 4)
+    output = _finish(serve_engine, prompt, "python", 6)
+    deadline = time.monotonic() + 30
+    while "python" not in (summary := store.summary.remote().result()):
+        assert time.monotonic() < deadline, summary
+        time.sleep(0.2)
+    assert summary == {
+        "python": {"requests": 1, "tokens": 10, "oldest_age_s": summary["python"]["oldest_age_s"]}
+    }
+    (kept,) = store.records.remote("python").result()
+    assert list(kept["prompt_token_ids"]) == prompt and list(kept["output_token_ids"]) == output
+    assert store.records.remote("prose").result() == []
+    assert store.drop.remote("python").result() == 1
+    assert store.summary.remote().result() == {}
