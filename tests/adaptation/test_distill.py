@@ -1,0 +1,112 @@
+"""Distillation rows, training and validation on a tiny random Llama (no Ray)."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from adaptation.distill import (
+    IGNORE,
+    DistillSettings,
+    TrainingRow,
+    collate,
+    distill,
+    training_rows,
+)
+from adaptation.retention import RetainedRequest
+from adaptation.validation import agreement, judge, split_held_back
+
+VOCAB = 64
+
+
+def tiny(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def rec(prompt, output, domain="d") -> RetainedRequest:
+    return RetainedRequest(domain, tuple(prompt), tuple(output), 0.0)
+
+
+def test_rows_keep_the_output_and_the_prompts_tail():
+    (row,) = training_rows([rec(range(1, 11), range(20, 26))], max_len=10)
+    assert row.token_ids == (7, 8, 9, 10, 20, 21, 22, 23, 24, 25) and row.output_start == 4
+    (long,) = training_rows([rec([1, 2], range(30, 50))], max_len=8)
+    assert long.token_ids == (2, 30, 31, 32, 33, 34, 35, 36) and long.output_start == 1
+    assert training_rows([rec([1, 2], [])], max_len=8) == []
+
+
+def test_labels_are_the_output_tokens_only():
+    rows = [TrainingRow((1, 2, 3, 9, 8), 3), TrainingRow((4, 7), 1)]
+    ids, mask, labels = collate(rows, pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[1, 2, 3, 9, 8], [4, 7, 0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    # position j predicts token j + 1; only output tokens are targets
+    assert labels.tolist() == [
+        [IGNORE, IGNORE, 9, 8, IGNORE],
+        [7, IGNORE, IGNORE, IGNORE, IGNORE],
+    ]
+
+
+def greedy_records(model, prompts, n_new: int, domain: str) -> list[RetainedRequest]:
+    """What a target ``model`` would have committed greedily: its own argmax outputs."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+        out.append(rec(p, gen[0, len(p) :].tolist(), domain))
+    return out
+
+
+def test_a_draft_distilled_on_a_targets_outputs_agrees_with_it_more():
+    target, draft = tiny(0), tiny(1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (6,), generator=gen).tolist() for _ in range(24)]
+    rows = training_rows(greedy_records(target, prompts, 12, "d"), 64)
+    train, held = split_held_back(rows, 0.25)
+    assert len(held) == 6 and not set(held) & set(train)
+    # The target agrees with its own greedy outputs everywhere: the score's ceiling.
+    assert agreement(target, held) == 1.0
+    before = agreement(draft, held)
+    logs = []
+    report = distill(
+        draft, train, [], DistillSettings(steps=60, lr=3e-3, log_every=20), log=logs.append
+    )
+    after = agreement(draft, held)
+    assert report.steps == 60 and not report.stopped_by_time and report.tokens == 60 * 16 * 12
+    assert report.last_loss < report.first_loss and len(logs) == 3
+    assert after > before + 0.2, (before, after)
+    assert not draft.training  # left in eval mode
+
+
+def test_a_run_stops_at_its_time_budget():
+    rows = [TrainingRow((1, 2, 3, 4), 2)]
+    report = distill(tiny(0), rows, rows, DistillSettings(steps=10_000, max_seconds=0.5))
+    assert report.stopped_by_time and 0 < report.steps < 10_000
+    with pytest.raises(ValueError, match="no training rows"):
+        distill(tiny(0), [], rows, DistillSettings())
+
+
+def test_judge_deploys_only_a_gain_that_costs_the_others_little():
+    before = {"prose": 0.30, "python": 0.80, "sql": 0.60}
+    ok = judge(before, {"prose": 0.50, "python": 0.77, "sql": 0.61}, "prose", min_gain=0.1)
+    assert ok.deploy and ok.gain == pytest.approx(0.2) and ok.worst_other == "python"
+    small = judge(before, {"prose": 0.35, "python": 0.80, "sql": 0.60}, "prose", min_gain=0.1)
+    assert not small.deploy and "min_gain" in small.reason
+    forgot = judge(before, {"prose": 0.60, "python": 0.70, "sql": 0.60}, "prose", min_gain=0.1)
+    assert not forgot.deploy and forgot.worst_other == "python" and "python lost" in forgot.reason
+    alone = judge({"prose": 0.3}, {"prose": 0.45}, "prose", min_gain=0.1)
+    assert alone.deploy and alone.worst_other is None
+    assert not judge({"prose": math.nan}, {"prose": 0.5}, "prose", min_gain=0.1).deploy
