@@ -9,7 +9,7 @@ batched over sequences so one draft forward pass serves the whole batch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +107,7 @@ class DraftModelProposer(Proposer):
         self.stop_early = runner.device.type == "cpu" if stop_early is None else stop_early
         self.limit_vocab(vocab_limit)
         self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
+        self.weights_version = 0  # weights loaded since construction (load_weights)
 
     def limit_vocab(self, vocab_limit: int | None) -> None:
         """Propose only ids below ``vocab_limit`` (None: every row of the draft's head)."""
@@ -116,6 +117,18 @@ class DraftModelProposer(Proposer):
         if seq_id in self._cached:
             del self._cached[seq_id]
             self.runner.free(seq_id)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """New draft weights (:meth:`ModelRunner.load_weights`), between proposals. Every
+        sequence's cached keys and values came from the old weights: each is emptied, and
+        its next proposal feeds all its committed tokens again (a lazy rebuild, paid by
+        the sequences that draft again). A proposal's drafts and its q therefore always
+        come from one set of weights."""
+        self.runner.load_weights(weights)
+        for seq_id, cached in self._cached.items():
+            cached.clear()
+            self.runner.rollback(seq_id, 0)
+        self.weights_version += 1
 
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Branch ``dst`` off ``src`` sharing its cached prefix (copied, not recomputed)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -421,6 +421,41 @@ class ModelRunner:
     def rename(self, old: Hashable, new: Hashable) -> None:
         """Give sequence ``old`` the id ``new`` (which must be free); no data moves."""
         self.slots.rename(old, new)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy new weights into the model's parameters, in place.
+
+        Why in place: the parameters' storages stay, so compiled graphs (which read them
+        as inputs) and anything else holding them see the new values with no recompile.
+        ``weights`` must name every parameter (tied ones once or under each name) with
+        its shape; anything else is refused before a single value is copied. Every cached
+        key and value was computed by the old weights: the caller rebuilds them (rolls
+        its sequences back and feeds them again)."""
+        params = dict(self.model.named_parameters())  # tied weights appear once
+        known = set(self.model.state_dict())
+        missing = sorted(set(params) - set(weights))
+        unknown = sorted(set(weights) - known)
+        wrong = sorted(
+            f"{name} {tuple(weights[name].shape)} (the model's is {tuple(p.shape)})"
+            for name, p in params.items()
+            if name in weights and weights[name].shape != p.shape
+        )
+        if missing or unknown or wrong:
+            raise ValueError(
+                "weights do not fit the model: "
+                + "; ".join(
+                    f"{what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                    for what, names in (
+                        ("missing", missing),
+                        ("unknown", unknown),
+                        ("wrong shape", wrong),
+                    )
+                    if names
+                )
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(weights[name])  # to the parameter's dtype and device
 
     def length(self, seq_id: Hashable) -> int:
         """Number of tokens whose keys/values are cached for ``seq_id``."""

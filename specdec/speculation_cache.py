@@ -27,7 +27,7 @@ numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +181,15 @@ class SpeculativeDrafter:
             min(0.999, self._kept[j] / self._reached[j]) if j < len(self._reached) else 0.8
             for j in range(n)
         ]
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """New draft weights, between rounds: every prepared branch was drafted by the old
+        ones and goes; each sequence's draft cache is rebuilt at its next proposal
+        (:meth:`DraftModelProposer.load_weights`). Sequences, their sampling state and
+        the acceptance statistics stay."""
+        for seq_id in list(self._branches):
+            self._drop_branches(seq_id)
+        self.proposer.load_weights(weights)
 
     def _drop_branches(self, seq_id: Hashable) -> None:
         for br in self._branches.pop(seq_id, []):

@@ -124,6 +124,11 @@ class EngineCore:
         self._new: list[EngineCoreRequest] = []
         self._aborts: set[Hashable] = set()
         self._seq_ids: set[Hashable] = set()  # every request added and not yet ended
+        # A colocated draft's new weights, for the loop to load between rounds, and the
+        # outcome the caller waits for (load_draft_weights).
+        self._new_weights: tuple[int, dict] | None = None
+        self._weights_error: str | None = None
+        self.draft_weights_version = 0
         self.link: DraftLink = (
             ActorDraftLink(config.transport, is_live=self._seq_ids.__contains__)
             if config.colocated_draft is None
@@ -209,6 +214,40 @@ class EngineCore:
                 self.scheduler.draft_max_model_len = max_model_len
             self.link.set_draft(draft)
             self._cv.notify_all()
+
+    @ray.method(concurrency_group="control")
+    def load_draft_weights(self, version: int, weights: dict, timeout_s: float = 60.0) -> int:
+        """A colocated draft's new weights (a state dict) as ``version``: the loop loads
+        them between rounds (a round's drafts and q come from one version), drops what
+        the old weights prepared and rebuilds each sequence's draft cache at its next
+        draft. Returns the version served. (A draft actor loads its own.)"""
+        if not isinstance(self.link, ColocatedDraftLink):
+            raise RuntimeError("the draft is an actor of its own: load its weights there")
+        with self._cv:
+            self._new_weights, self._weights_error = (version, weights), None
+            self._cv.notify_all()
+            deadline = time.monotonic() + timeout_s
+            while self._new_weights is not None and not self.error:
+                if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"the core's loop did not take version {version}")
+            if self.error:
+                raise RuntimeError(self.error)
+            if self._weights_error is not None:
+                raise ValueError(self._weights_error)
+            return self.draft_weights_version
+
+    def _load_waiting_weights(self) -> None:
+        """The loop thread, between rounds (caller holds _cv): load a colocated draft's
+        waiting weights, and wake the caller."""
+        version, weights = self._new_weights
+        self._new_weights = None
+        try:
+            self.link.rounds.drafter.load_weights(weights)
+            self.draft_weights_version = version
+            logger.info("colocated draft weights version %d loaded", version)
+        except ValueError as exc:  # refused before anything was copied: the old stay
+            self._weights_error = str(exc)
+        self._cv.notify_all()
 
     @ray.method(concurrency_group="control")
     def get_timings(self, reset: bool = False) -> dict[str, Any]:
@@ -346,8 +385,13 @@ class EngineCore:
                 while not (sched.running or self._new or self._aborts or sched.waiting):
                     if self._stopped:
                         return
+                    if self._new_weights is not None:
+                        self._load_waiting_weights()
+                        continue
                     self._last_round_end = None  # idle time is no round's
                     self._cv.wait()
+                if self._new_weights is not None:
+                    self._load_waiting_weights()
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, set()
                 sched.has_draft = self.link.has_draft

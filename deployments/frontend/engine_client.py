@@ -103,6 +103,10 @@ class EngineClient:
         self._core_health: dict[str, Any] = {}  # the core's health(), refreshed by _poll
         self._draft_kv: dict[str, Any] | None = None  # the draft actor's KV, refreshed with it
         self._core_health_at = float("-inf")
+        # The draft weights every draft of this engine must serve, (version, state dict
+        # in Ray's object store), once load_draft_weights has been called: a replacement
+        # draft (or core, colocated) loads them before it drafts.
+        self._draft_weights: tuple[int, Any] | None = None
         self.aborted = 0  # requests whose client went away before they finished
         self.draft_restart_failures = 0
         # A replacement target is loading: requests wait for it (it resumes them all).
@@ -244,6 +248,27 @@ class EngineClient:
             "aborted": self.aborted,
             "error": self._fatal,
         }
+
+    async def load_draft_weights(self, version: int, weights: dict[str, Any]) -> int:
+        """Serve the draft with ``weights`` (a state dict of the draft model) as
+        ``version``, between rounds, without a lost or changed request; returns the
+        version served. Weights that do not fit the draft are refused (ValueError) and
+        the old ones stay. A draft or core replaced later loads the same version."""
+        if self.config.draft is None:
+            raise EngineError("this engine serves without a draft model")
+        worker = self.target if self.colocated else self.draft
+        if worker is None:
+            raise EngineError("the draft worker is being replaced: try again")
+        ref = ray.put(weights)
+        served = await self._call(self._load_weights(worker, version, ref), extra_s=60.0)
+        self._draft_weights = (served, ref)
+        return served
+
+    def _load_weights(self, worker, version: int, ref):
+        """The call that loads a draft version into ``worker`` (a draft, or a core with
+        its draft colocated)."""
+        method = worker.load_draft_weights if self.colocated else worker.load_weights
+        return method.remote(version, ref)
 
     async def round_timings(self, reset: bool = False) -> dict[str, Any]:
         """The core's per-round split (verify, draft waits, overhead), summed over rounds."""
@@ -539,6 +564,8 @@ class EngineClient:
                 self.target_info = await self._await_ready(self.target)
                 if self.colocated:
                     self.draft_info = self.target_info.pop("draft")
+                    if self._draft_weights is not None:  # the version served before
+                        await self._call(self._load_weights(self.target, *self._draft_weights))
                 await self._refresh_health()  # the new core's (warming while it compiles)
             except Exception as exc:  # any failure of the new core: try another one
                 failures += 1
@@ -626,6 +653,8 @@ class EngineClient:
                 actor = self.launcher.spawn_draft()
                 try:
                     info = await self._await_ready(actor)
+                    if self._draft_weights is not None:  # the version served before
+                        await self._call(self._load_weights(actor, *self._draft_weights), 60)
                     await self._connect(self.target, actor, info)
                 except asyncio.CancelledError:
                     ray.kill(actor, no_restart=True)

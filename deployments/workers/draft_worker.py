@@ -85,6 +85,11 @@ class DraftWorker:
         self.speculated = 0  # branches prepared
         self._speculated = False  # the last message's speculation ran (its hits count)
         self.error: str | None = None
+        # New draft weights waiting for the loop (applied between messages) and the
+        # version served; see load_weights.
+        self._new_weights: tuple[int, dict] | None = None
+        self._weights_error: str | None = None  # why the last weights were refused
+        self.weights_version = 0
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
 
     @ray.method(concurrency_group="io")
@@ -141,6 +146,25 @@ class DraftWorker:
         return True
 
     @ray.method(concurrency_group="io")
+    def load_weights(self, version: int, weights: dict, timeout_s: float = 60.0) -> int:
+        """Serve the draft with ``weights`` (a state dict) as ``version`` from the next
+        message on. The loop applies them between messages, so a round's drafts and q
+        come from one version; branches prepared by the old weights are dropped and each
+        sequence's cache is rebuilt at its next draft. Returns the version served."""
+        with self._cv:
+            self._new_weights, self._weights_error = (version, weights), None
+            self._cv.notify_all()
+            deadline = time.monotonic() + timeout_s
+            while self._new_weights is not None and self.error is None:
+                if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"the draft loop did not take version {version}")
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            if self._weights_error is not None:
+                raise ValueError(self._weights_error)
+            return self.weights_version
+
+    @ray.method(concurrency_group="io")
     def stats(self) -> dict[str, Any]:
         return {
             "hits": self.drafter.hits,
@@ -154,6 +178,7 @@ class DraftWorker:
             "failed_sequences": self.rounds.failed_sequences,
             "kv_cache": self.runner.kv_usage(),
             "cores": self.cores,
+            "weights_version": self.weights_version,
         }
 
     @ray.method(concurrency_group="io")
@@ -187,6 +212,24 @@ class DraftWorker:
     def _has_next(self) -> bool:
         return self._next_no is not None and self._next_no in self._inbox
 
+    def _should_stop(self) -> bool:
+        """Speculation stops for a newer message or for new weights."""
+        return self._has_next() or self._new_weights is not None
+
+    def _swap_weights(self) -> None:
+        """Apply waiting weights (the loop thread, between messages; caller holds _cv)."""
+        version, weights = self._new_weights
+        self._new_weights = None
+        self._cv.notify_all()
+        try:
+            self.drafter.load_weights(weights)
+        except ValueError as exc:  # refused before anything was copied: the old stay
+            self._weights_error = str(exc)
+            logger.warning("draft weights version %d refused: %s", version, exc)
+            return
+        self.weights_version = version
+        logger.info("draft weights version %d loaded", version)
+
     def _loop_guarded(self) -> None:
         configure_thread(self.spec)
         self.cores = pin_thread(self._cpu_affinity)
@@ -194,7 +237,12 @@ class DraftWorker:
             while True:
                 with self._cv:
                     while not self._has_next():
+                        if self._new_weights is not None:
+                            self._swap_weights()
+                            continue
                         self._cv.wait()
+                    if self._new_weights is not None:
+                        self._swap_weights()
                     msg = self._inbox.pop(self._next_no)
                     self._next_no += 1
                     core = self._core
@@ -259,7 +307,7 @@ class DraftWorker:
         self._speculated = True
         t0 = time.perf_counter()
         try:
-            branches = self.drafter.speculate(ids, budget, should_stop=self._has_next)
+            branches = self.drafter.speculate(ids, budget, should_stop=self._should_stop)
         except Exception:  # all or nothing: no branch was kept; the round goes on without
             logger.exception("speculation failed; continuing without branches")
             self._speculated = False  # no branches: the next round says nothing of hits

@@ -973,3 +973,50 @@ def test_a_colocated_draft_shares_the_targets_kv_budget_and_device(
         return await asyncio.gather(*[collect(engine, p, seeded(i)) for i, p in enumerate(PROMPTS)])
 
     assert [t for t, _ in asyncio.run(with_engine(one, seeded_body))] == seeded_reference
+
+
+@pytest.mark.parametrize("shape", ["actor", "colocated"])
+def test_draft_weights_swapped_mid_generation_keep_every_request_exact(
+    ray_local, tiny_target, tiny_draft, reference, shape
+):
+    """New draft weights reach the draft between rounds while requests run: every output
+    equals target-only, the swap takes effect (the target's own weights as the draft:
+    afterwards every greedy draft is accepted, which a stale cache would break), weights
+    that do not fit are refused with the old ones kept, and a replacement draft loads the
+    version served."""
+    spec = {"num_speculative_tokens": 3, "adaptive_overlap": False}
+    if shape == "actor":
+        spec["mode"] = "overlap"
+    cfg = config(tiny_target, tiny_draft, shape, speculation=spec)
+    target_weights = ModelRunner(tiny_target).model.state_dict()
+
+    async def body(engine):
+        running = [asyncio.create_task(collect(engine, p, GREEDY)) for p in PROMPTS]
+        while not any(r.output_token_ids for r in engine._requests.values()):
+            await asyncio.sleep(0.01)
+        assert await engine.load_draft_weights(1, target_weights) == 1  # mid-generation
+        during = await asyncio.gather(*running)
+        after = await asyncio.gather(*[collect(engine, p, GREEDY) for p in PROMPTS[:4]])
+        with pytest.raises(ValueError, match="missing"):
+            await engine.load_draft_weights(2, {"lm_head.weight": torch.zeros(1)})
+        again = await collect(engine, PROMPTS[0], GREEDY)
+        replaced = None
+        if shape == "actor":  # a replacement draft serves the version served
+            await engine._replace_draft("test")
+            stats = await engine._call(engine.draft.stats.remote())
+            replaced = (stats["weights_version"], await collect(engine, PROMPTS[1], GREEDY))
+        return during, after, again, replaced
+
+    during, after, again, replaced = asyncio.run(with_engine(cfg, body))
+    for prompt, (tokens, _) in zip(PROMPTS, during, strict=True):
+        assert tokens == reference[tuple(prompt)]
+    for prompt, (tokens, last) in zip(PROMPTS[:4], after, strict=True):
+        assert tokens == reference[tuple(prompt)]
+        assert last.stats.drafted > 0 and last.stats.accepted == last.stats.drafted
+    tokens, last = again  # the refused weights changed nothing
+    assert tokens == reference[tuple(PROMPTS[0])]
+    assert last.stats.accepted == last.stats.drafted > 0
+    if replaced is not None:
+        version, (tokens, last) = replaced
+        assert version == 1 and tokens == reference[tuple(PROMPTS[1])]
+        assert last.stats.accepted == last.stats.drafted > 0

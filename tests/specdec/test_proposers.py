@@ -56,6 +56,23 @@ def test_speculation_never_forks_past_the_draft_runner(tiny_draft):
     assert len(branches) == 4 and drafter.proposer.runner.num_seqs == 6
 
 
+def test_new_weights_drop_the_branches_drafted_by_the_old(tiny_draft):
+    """Branches prepared ahead were drafted by the old weights: a swap frees them (and
+    their KV slots); the sequences stay, and the next round drafts them afresh."""
+    drafter = SpeculativeDrafter(DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=6)))
+    params = SamplingParams(temperature=0.0, max_tokens=50)
+    for i in range(2):
+        drafter.add(f"s{i}", [5 + i, 9, 14], params)
+    drafter.propose(["s0", "s1"], [3, 3])
+    assert drafter.speculate(["s0", "s1"], budget=4)
+    drafter.load_weights(drafter.proposer.runner.model.state_dict())
+    assert drafter.proposer.runner.num_seqs == 2 and set(drafter.seqs) == {"s0", "s1"}
+    for sid in ("s0", "s1"):
+        drafter.commit(sid, [7, 8])
+    drafts = drafter.propose(["s0", "s1"], [3, 3])
+    assert all(len(d.tokens) == 3 and not d.speculative for d in drafts)
+
+
 def test_drafts_stay_within_the_shared_ids_on_every_path(tiny_target, tmp_path):
     """A draft with padding rows that are often its argmax, limited below both models'
     row counts: drafts, sampled drafts, top-m guesses and bonus candidates all stay below
@@ -151,3 +168,58 @@ def test_stopping_early_drafts_the_same_in_fewer_passes(tiny_draft, temperature)
             assert (a is None) == (b is None) == (temperature == 0.0)
             if a is not None:
                 assert torch.equal(a, b) if i == 0 else torch.allclose(a, b, atol=1e-3)
+
+
+def _drafted(proposer, seqs, rounds: int) -> None:
+    """A few rounds: each row keeps two drafts, then a bonus token."""
+    for _ in range(rounds):
+        prop = proposer.propose(seqs, 4, 4)
+        for seq, d in zip(seqs, prop.host_draft_token_ids, strict=True):
+            seq.output_token_ids.extend([*d[:2], 11])
+
+
+def test_new_weights_draft_as_a_draft_that_only_had_them(tiny_draft, tiny_target):
+    """After ``load_weights`` a sequence's drafts and distributions are those of a draft
+    that only ever had the new weights: its cache is rebuilt, nothing the old weights
+    computed remains. The wrong twin (new weights, old cache kept) differs, so the check
+    would see a missing rebuild."""
+    new_weights = ModelRunner(tiny_target).model.state_dict()  # same shapes, other values
+
+    def after_swap(rebuild: bool):
+        proposer = DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=4))
+        seqs = [
+            SequenceState("a", [5, 9, 14, 3], SamplingParams(temperature=0.0)),
+            SequenceState("b", [7, 8], SamplingParams(temperature=0.0)),
+        ]
+        _drafted(proposer, seqs, 2)
+        if rebuild:
+            proposer.load_weights(new_weights)
+        else:
+            proposer.runner.load_weights(new_weights)
+        return proposer.propose(seqs, 4, 4), seqs, proposer
+
+    swapped, seqs, proposer = after_swap(rebuild=True)
+    assert proposer.weights_version == 1
+    fresh = DraftModelProposer(ModelRunner(tiny_target, max_num_seqs=4)).propose(seqs, 4, 4)
+    assert swapped.host_draft_token_ids == fresh.host_draft_token_ids
+    torch.testing.assert_close(swapped.top_probs, fresh.top_probs, atol=1e-5, rtol=1e-4)
+    stale, _, _ = after_swap(rebuild=False)
+    assert not torch.allclose(stale.top_probs, fresh.top_probs, atol=1e-3)
+
+
+def test_weights_that_do_not_fit_are_refused_untouched(tiny_draft):
+    runner = ModelRunner(tiny_draft, max_num_seqs=2)
+    good = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    before = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    name = "model.layers.0.mlp.up_proj.weight"
+    missing = {k: v for k, v in good.items() if k != name}
+    wrong = {**good, name: torch.zeros(3, 3)}
+    extra = {**{k: v + 1 for k, v in good.items()}, "model.extra.weight": torch.zeros(1)}
+    for bad, words in ((missing, "missing"), (wrong, "wrong shape"), (extra, "unknown")):
+        with pytest.raises(ValueError, match=words) as info:
+            runner.load_weights(bad)
+        assert "model." in str(info.value)
+        for k, v in runner.model.state_dict().items():
+            assert torch.equal(v, before[k]), k  # nothing copied before the refusal
+    runner.load_weights({k: v * 2 for k, v in good.items()})
+    assert torch.equal(runner.model.state_dict()[name], good[name] * 2)
