@@ -63,8 +63,10 @@ def commit() -> str:
         return "unknown"
 
 
-def write_result(name: str, settings: dict, results: dict, directory: Path = RESULTS) -> Path:
-    """Writes ``directory/name.json`` (default ``bench/results``) and returns its path."""
+def write_result(name: str, settings: dict, results: dict, directory: Path | None = None) -> Path:
+    """Writes ``directory/name.json`` (default: :data:`RESULTS`, read at the call, so
+    tests can point it elsewhere) and returns its path."""
+    directory = RESULTS if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     payload = {

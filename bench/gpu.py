@@ -396,7 +396,7 @@ def _saver(name: str, settings: dict, results: dict, out: Path | None):
 
     settings = {**settings, "target": TARGET, "draft": DRAFT, "commit": commit()}
     settings["out"] = str(out) if out else None
-    directory = out or bench.common.RESULTS
+    directory = out  # None: bench/results
 
     def save(section: str) -> Path:
         print(f"[bench.gpu] {section} done", flush=True)

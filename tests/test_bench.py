@@ -10,7 +10,8 @@ What runs, per module (each a few seconds on 2 cores):
 * ``bench.heldout``: its prompt sources (pure);
 * ``bench.ttft``: its in-process part, the target's prefill time (``prefill_ms``);
 * ``bench.gpu``: ``--device cpu --smoke`` at batch 1 and 8 (tiny configs, ~25 s);
-* ``bench.syncs``: the engine core in process at batch 1 (demo pair, ~10 s).
+* ``bench.syncs``: the engine core in process at batch 1 (demo pair, ~10 s);
+* ``bench.distill``: 4 served requests, 3 training steps, 2 probes per domain (~10 s).
 
 Imported (and their config builders validated against ``deployments.config``) but not
 run: ``bench.pipeline`` and ``bench.telemetry`` start Ray actors; ``bench.http`` needs a
@@ -156,6 +157,19 @@ def test_config_builders_validate():
     for draft in (True, False):
         cfg = AppConfig.model_validate(serving.app_args(draft, 9464))
         assert (cfg.engine.draft is not None) == draft
+
+
+def test_distill_smallest(results, monkeypatch):
+    """``bench.distill`` end to end on a handful of requests: scores per draft and probe
+    domain, the trained drafts with their training time and loss."""
+    argv = ["--traffic", "4", "--replay", "2", "--probes", "2", "--new-tokens", "8"]
+    payload = run_main(monkeypatch, "bench.distill", [*argv, "--steps", "3"], results, "distill")
+    drafts = payload["results"]["drafts"]
+    assert list(drafts) == ["drift (before)", "general (reference)", "drift + 3 steps"]
+    for scores in drafts.values():
+        for domain in ("prose", "python"):
+            assert 0 <= scores[domain]["agreement"] <= 1 and 0 <= scores[domain]["alpha_k"] <= 1
+    assert drafts["drift + 3 steps"]["train_s"] > 0 and drafts["drift + 3 steps"]["loss"] > 0
 
 
 def test_gpu_smoke_on_cpu(results, monkeypatch):
