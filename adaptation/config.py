@@ -50,12 +50,84 @@ class RetentionConfig(BaseModel):
     )
 
 
+class TrainerConfig(BaseModel):
+    """One adaptation run: distil the draft on a domain's retained requests, validate the
+    candidate on held-back requests, deploy it only if it is better."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    on_drift: bool = Field(
+        default=True,
+        description="Start a run for a domain when the monitor's drift alert fires for it "
+        "(runs can always be started on demand through the deployment's handle).",
+    )
+    min_requests: int = Field(
+        default=16,
+        ge=2,
+        description="Retained requests of the domain a run needs (some are held back).",
+    )
+    held_back_fraction: float = Field(
+        default=0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Of each domain's retained requests, the share kept out of training "
+        "to score the candidate on.",
+    )
+    steps: int = Field(default=150, ge=1, description="Optimizer steps at most.")
+    max_seconds: float = Field(
+        default=300.0, gt=0.0, description="Wall seconds of training at most (then it stops)."
+    )
+    batch_size: int = Field(default=16, ge=1, description="Requests per optimizer step.")
+    lr: float = Field(default=1e-3, gt=0.0, description="Peak learning rate (AdamW).")
+    replay_fraction: float = Field(
+        default=0.5,
+        ge=0.0,
+        lt=1.0,
+        description="Share of each batch drawn from the other domains' retained requests, "
+        "so that the draft does not forget them.",
+    )
+    min_gain: float = Field(
+        default=0.05,
+        description="Agreement with the target the candidate must gain on the domain's "
+        "held-back requests to be deployed.",
+    )
+    max_loss: float = Field(
+        default=0.05,
+        ge=0.0,
+        description="Agreement the candidate may lose on any other domain's held-back "
+        "requests and still be deployed.",
+    )
+    num_cpus: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="CPUs the training task reserves (a Ray task of its own, so that "
+        "training never runs in a serving process).",
+    )
+    num_gpus: float = Field(default=0.0, ge=0.0, description="GPUs the training task reserves.")
+    num_threads: int = Field(
+        default=1, ge=1, description="torch threads the training task uses (bounds its CPU)."
+    )
+
+
 class AdaptationConfig(BaseModel):
-    """Draft adaptation to live traffic: for now, which data it may learn from."""
+    """Draft adaptation to live traffic: which data it may learn from, how it trains,
+    and how replicas learn of a new draft version."""
 
     model_config = ConfigDict(extra="forbid")
 
     retention: RetentionConfig = Field(
         default_factory=RetentionConfig,
         description="Which finished requests are kept, per domain, and for how long.",
+    )
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="How a run trains, validates and decides. Runs learn from retained "
+        "requests: with retention off there is no adaptation deployment and no run.",
+    )
+    poll_interval_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=300.0,
+        description="How often each replica asks the adaptation deployment for the draft "
+        "version to serve (a new or restarted replica asks at once).",
     )

@@ -108,7 +108,7 @@ class SpecServeDeployment:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.monitor = monitor
         self.adaptation = adaptation
-        self._retaining: set[asyncio.Task] = set()  # sends in flight (held against GC)
+        self._retaining: set[asyncio.Task] = set()  # calls in flight (held against GC)
         self.domains = DomainResolver(self.config.monitoring)  # for handle calls
         self.engine = EngineClient(
             self.config.engine,
@@ -120,25 +120,58 @@ class SpecServeDeployment:
             on_finished=self._retain if adaptation is not None else None,
         )
         await self.engine.start()
+        self.draft_version = 0  # the adaptation version this replica's draft serves
+        if adaptation is not None and self.config.engine.draft is not None:
+            self._follow = asyncio.get_running_loop().create_task(self._follow_versions())
+
+    async def _follow_versions(self) -> None:
+        """Serve the draft version the adaptation deployment says, checked at once and
+        then every ``adaptation.poll_interval_s`` (a failed check retries next time)."""
+        while True:
+            try:
+                version = await self.adaptation.served_version.remote()
+                if version != self.draft_version:
+                    refs = await self.adaptation.weights.remote(version)
+                    if refs:  # else the version moved on meanwhile: the next check
+                        weights = await refs[0]
+                        await self.engine.load_draft_weights(version, weights)
+                        self.draft_version = version
+                        logger.info("draft version %d served", version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("could not follow the draft version: %r", exc)
+            await asyncio.sleep(self.config.adaptation.poll_interval_s)
 
     def _retain(self, req: RequestState) -> None:
         """Send a finished request to the adaptation deployment, off the request's path
         (a lost send loses one training example, never a request)."""
-        task = asyncio.get_running_loop().create_task(self._send_retained(req, time.time()))
-        self._retaining.add(task)
-        task.add_done_callback(self._retaining.discard)
-
-    async def _send_retained(self, req: RequestState, at: float) -> None:
-        try:
-            await self.adaptation.retain.remote(
-                req.domain, req.prompt_token_ids, list(req.output_token_ids), at
-            )
-        except Exception as exc:  # the deployment restarting, or gone
-            logger.warning("retention: request %s not kept: %r", req.request_id, exc)
+        call = self.adaptation.retain.remote(
+            req.domain, req.prompt_token_ids, list(req.output_token_ids), time.time()
+        )
+        self._background(call, f"retain {req.request_id}")
 
     async def _send_telemetry(self, batch, requests, cursor):
-        """The engine's telemetry sink: one call to the monitor deployment per flush."""
-        return await self.monitor.report.remote(batch, requests, cursor)
+        """The engine's telemetry sink: one call to the monitor deployment per flush. New
+        drift alerts also go to the adaptation deployment (a run for their domain)."""
+        reply = await self.monitor.report.remote(batch, requests, cursor)
+        if self.adaptation is not None:
+            for domain in {alert.domain for alert in reply.alerts}:
+                self._background(self.adaptation.on_drift.remote(domain), f"drift on {domain}")
+        return reply
+
+    def _background(self, call, what: str) -> None:
+        """Await a handle call off the caller's path; a failure is logged, never raised."""
+
+        async def wait() -> None:
+            try:
+                await call
+            except Exception as exc:
+                logger.warning("adaptation deployment call (%s) failed: %r", what, exc)
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._retaining.add(task)
+        task.add_done_callback(self._retaining.discard)
 
     def __serve_build_asgi_app__(self):
         return create_app(self.config, self.engine, self.tokenizer, self.replica_id, keys=self.keys)
@@ -179,6 +212,7 @@ class SpecServeDeployment:
     async def health_info(self) -> dict[str, Any]:
         return {
             **self.engine.health(),
+            "draft_version": getattr(self, "draft_version", 0),
             "replica_id": self.replica_id,
             "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
             "target": self.engine.target_info,
@@ -221,8 +255,16 @@ def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Applic
         )
     adaptation = None
     if config.adaptation.retention.enabled:
+        draft = config.engine.draft
+        source = None
+        if draft is not None:
+            source = {
+                "model": draft.model,
+                "dtype": draft.dtype,
+                "trust_remote_code": draft.trust_remote_code,
+            }
         adaptation = AdaptationDeployment.options(name=f"{name}Adaptation").bind(
-            config.adaptation.model_dump()
+            config.adaptation.model_dump(), source
         )
     return SpecServeDeployment.options(**options).bind(config.model_dump(), monitor, adaptation)
 

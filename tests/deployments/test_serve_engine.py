@@ -30,7 +30,19 @@ def serve_engine(serve_http, tiny_target, tiny_draft):
             config=AppConfig(
                 engine=cfg,
                 monitoring={"prometheus_port": None},
-                adaptation={"retention": {"enabled": True, "domains": ["python"]}},
+                adaptation={
+                    "retention": {"enabled": True, "domains": ["python"]},
+                    # Runs on demand only; a candidate always deploys (the verdict has
+                    # tests of its own: tests/adaptation/), trained briefly.
+                    "trainer": {
+                        "on_drift": False,
+                        "steps": 5,
+                        "min_gain": -1.0,
+                        "max_loss": 1.0,
+                        "num_cpus": 0.5,
+                    },
+                    "poll_interval_s": 0.5,
+                },
             ),
             name="engine-test",
         ),
@@ -99,3 +111,30 @@ def test_finished_requests_of_allowed_domains_are_retained_and_can_be_dropped(se
     assert store.records.remote("prose").result() == []
     assert store.drop.remote("python").result() == 1
     assert store.summary.remote().result() == {}
+
+
+def test_an_adaptation_run_reaches_the_replicas_draft_and_output_stays_exact(
+    serve_engine, tiny_target
+):
+    """On demand: a run trains on the retained python requests in a task of its own,
+    deploys version 1, the replica loads it into its draft within a few polls, and
+    greedy output still equals target-only."""
+    store = serve.get_deployment_handle("engine-testAdaptation", "engine-test")
+    for i in range(4):
+        _finish(serve_engine, [60 + i, 61, 62, 63], "python", 8)
+    deadline = time.monotonic() + 30
+    while store.summary.remote().result().get("python", {}).get("requests", 0) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    summary = store.adapt.remote("python").result()
+    assert summary["outcome"] == "deployed" and summary["version"] == 1, summary
+    assert summary["train"]["steps"] == 5 and summary["held_back_requests"] >= 1
+    while serve_engine.health_info.remote().result()["draft_version"] != 1:
+        assert time.monotonic() < deadline + 60, "the replica never served version 1"
+        time.sleep(0.2)
+    status = store.status.remote().result()
+    assert status["version"] == 1 and status["outcomes"]["deployed"] == 1
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = [30, 31, 32, 33, 34]
+    expected = generate_autoregressive(ModelRunner(tiny_target), prompt, params).token_ids
+    assert _finish(serve_engine, prompt, "default", 20) == expected
