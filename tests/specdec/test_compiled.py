@@ -161,6 +161,30 @@ def test_compiled_logits_equal_eager(warm_pair, tiny_target, device):
                 runner.free(sid)
 
 
+def test_weights_loaded_into_a_compiled_draft_reach_its_graphs(warm_pair, tiny_target, device):
+    """New weights are copied into the parameters in place, so the graphs built before
+    compute with them: the compiled draft given the target's weights gives the eager
+    target's logits, with no recompile (the draft's own weights restored after)."""
+    _, draft = warm_pair
+    own = {k: v.clone() for k, v in draft.model.state_dict().items()}
+    eager = ModelRunner(tiny_target, max_num_seqs=6, max_model_len=256, device=device)
+    draft.load_weights(eager.model.state_dict())
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for runner in (draft, eager):
+                runner.prefill(["a", "b"], [list(range(5, 25)), list(range(9, 16))])
+            for ids, tokens in ((["a"], [[7]]), (["b", "a"], [[7, 3], [8]])):
+                got, want = draft.forward(ids, tokens), eager.forward(ids, tokens)
+                for g, w in zip(got, want, strict=True):
+                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    finally:
+        draft.load_weights(own)
+        for runner in (draft, eager):
+            for sid in ("a", "b"):
+                if sid in runner.seq_ids:
+                    runner.free(sid)
+
+
 # Families whose attention SDPA cannot compute (Gemma 2's soft-capping) attend by 4-D masks
 # and run eager even when asked to compile (specdec.execution).
 EAGER_FAMILIES = {"gemma2"}
