@@ -29,6 +29,7 @@ COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users specdec specdec
 COPY --chown=ray:users deployments deployments
 COPY --chown=ray:users monitoring monitoring
+COPY --chown=ray:users adaptation adaptation
 COPY --chown=ray:users models models
 COPY --chown=ray:users cluster cluster
 # Editable, so that relative model paths (models/demo-target) resolve against this checkout

@@ -57,9 +57,11 @@ class AdaptationDeployment:
     """Holds the application's :class:`RetentionBuffer` and draft versions; see the
     module docstring."""
 
-    def __init__(self, config: dict[str, Any], draft: dict[str, Any] | None = None):
+    async def __init__(self, config: dict[str, Any], draft: dict[str, Any] | None = None):
         self.config = AdaptationConfig.model_validate(config)
         self.buffer = RetentionBuffer(self.config.retention)
+        # Expired requests leave memory and disk even in domains nobody sends to.
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
         self.source = None if draft is None else DraftSource(**draft)
         self.version = 0  # 0: the draft as deployed
         self._weights_ref = None  # the served version's state dict, in the object store
@@ -69,11 +71,19 @@ class AdaptationDeployment:
         self.outcomes = {"started": 0, "deployed": 0, "rejected": 0, "failed": 0}
 
     async def retain(
-        self, domain: str, prompt_token_ids: list[int], output_token_ids: list[int], at: float
+        self, domain: str, prompt_token_ids: list[int], output_token_ids: list[int]
     ) -> bool:
-        """A replica's finished request; returns whether it was kept."""
-        record = RetainedRequest(domain, tuple(prompt_token_ids), tuple(output_token_ids), at)
-        return self.buffer.add(record)
+        """A replica's request that just finished; returns whether it was kept."""
+        record = RetainedRequest(domain, tuple(prompt_token_ids), tuple(output_token_ids), 0.0)
+        return self.buffer.add(record)  # (stamped with the buffer's clock)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.buffer.sweep_interval_s())
+            try:
+                self.buffer.sweep()
+            except Exception:  # a full disk, say: the next sweep tries again
+                logger.exception("retention sweep failed")
 
     async def summary(self) -> dict[str, dict[str, float]]:
         """Per domain: requests and tokens kept, and the oldest's age in seconds."""

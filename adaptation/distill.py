@@ -114,6 +114,7 @@ def distill(
     )
     gen = random.Random(settings.seed)
     n_replay = round(settings.batch_size * settings.replay_fraction) if replay_rows else 0
+    n_replay = min(n_replay, settings.batch_size - 1)  # every batch trains the domain
     losses: list[float] = []
     tokens, start = 0, time.monotonic()
     model.train()

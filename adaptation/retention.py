@@ -11,9 +11,11 @@ for the whole application.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -61,6 +63,8 @@ class RetainedRequest:
         )
         if not record.prompt_token_ids:
             raise ValueError("a retained request has no prompt")
+        if not math.isfinite(record.finished_at):
+            raise ValueError("a retained request has no finishing time")
         return record
 
 
@@ -76,8 +80,13 @@ class DomainSummary:
 class RetentionBuffer:
     """Retained requests per domain, bounded by ``config``; optionally mirrored to files.
 
-    ``clock`` gives unix seconds (a parameter so that tests can age records without
-    waiting)."""
+    A request is stamped with this buffer's clock when kept (whatever the sender said),
+    so each domain's requests are in age order and the oldest go first. ``clock`` gives
+    unix seconds (a parameter so that tests can age records without waiting).
+
+    Files: a kept request is appended to its domain's file; requests that leave by the
+    token cap leave the file at the next :meth:`sweep` (the deployment sweeps every
+    :meth:`sweep_interval_s`), those that leave by age or a drop at once."""
 
     def __init__(self, config: RetentionConfig, clock: Callable[[], float] = time.time):
         self.config = config
@@ -85,33 +94,44 @@ class RetentionBuffer:
         self._allowed = None if config.domains is None else frozenset(config.domains)
         self._kept: dict[str, deque[RetainedRequest]] = {}  # domain -> oldest first
         self._tokens: dict[str, int] = {}  # domain -> tokens kept
+        self._stale: set[str] = set()  # domains whose file holds requests no longer kept
         self._dir = Path(config.directory).expanduser() if config.directory else None
         if self._dir is not None:
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._dir.chmod(0o700)  # (mkdir's mode applies to a new directory only)
             self._load()
 
     def allows(self, domain: str) -> bool:
         return self._allowed is None or domain in self._allowed
 
-    def add(self, record: RetainedRequest) -> bool:
+    def sweep_interval_s(self) -> float:
+        """How often :meth:`sweep` should run: a quarter of the age limit, at most 60 s."""
+        return min(60.0, self.config.max_age_s / 4)
+
+    def add(self, record: RetainedRequest, stamp: bool = True) -> bool:
         """Keep ``record`` if its domain is allowed and it fits; returns whether it was
-        kept. The domain's oldest requests make room (and any past ``max_age_s`` go)."""
-        cfg = self.config
+        kept. ``stamp``: it finished now (this buffer's clock), else at its own time (a
+        stored record read back; one already past ``max_age_s`` is not kept). The
+        domain's oldest requests make room, and any past ``max_age_s`` go."""
+        cfg, now = self.config, self._clock()
         if not self.allows(record.domain) or not record.prompt_token_ids:
             return False
         if record.num_tokens > min(cfg.max_request_tokens, cfg.max_tokens_per_domain):
             return False
-        removed = self._expire(record.domain, self._clock())  # (may delete the deque)
-        kept = self._kept.setdefault(record.domain, deque())
-        while kept and self._tokens[record.domain] + record.num_tokens > cfg.max_tokens_per_domain:
-            self._tokens[record.domain] -= kept.popleft().num_tokens
-            removed += 1
+        if stamp:
+            record = dataclasses.replace(record, finished_at=now)
+        elif not now - record.finished_at <= cfg.max_age_s:  # (NaN is never kept)
+            return False
+        domain = record.domain
+        if self._expire(domain, now):  # (may delete the deque)
+            self._rewrite(domain)
+        kept = self._kept.setdefault(domain, deque())
+        while kept and self._tokens[domain] + record.num_tokens > cfg.max_tokens_per_domain:
+            self._tokens[domain] -= kept.popleft().num_tokens
+            self._stale.add(domain)
         kept.append(record)
-        self._tokens[record.domain] = self._tokens.get(record.domain, 0) + record.num_tokens
-        if removed:
-            self._rewrite(record.domain)
-        else:
-            self._append(record)
+        self._tokens[domain] = self._tokens.get(domain, 0) + record.num_tokens
+        self._append(record)
         return True
 
     def records(self, domain: str) -> list[RetainedRequest]:
@@ -124,16 +144,25 @@ class RetentionBuffer:
         """Forget every request of ``domain`` (memory and file); returns how many."""
         gone = len(self._kept.pop(domain, ()))
         self._tokens.pop(domain, None)
+        self._stale.discard(domain)
         if self._dir is not None:
             self._file(domain).unlink(missing_ok=True)
         return gone
 
-    def summary(self) -> dict[str, DomainSummary]:
-        """Per domain with anything kept: counts and the oldest's age (expired dropped)."""
+    def sweep(self) -> None:
+        """Drop every domain's expired requests and bring every file in line with what is
+        kept (idle domains age out too)."""
         now = self._clock()
         for domain in list(self._kept):
-            if self._expire(domain, now):
+            if self._expire(domain, now) or domain in self._stale:
                 self._rewrite(domain)
+        for domain in list(self._stale):  # (domains emptied meanwhile)
+            self._rewrite(domain)
+
+    def summary(self) -> dict[str, DomainSummary]:
+        """Per domain with anything kept: counts and the oldest's age (expired dropped)."""
+        self.sweep()
+        now = self._clock()
         return {
             domain: DomainSummary(len(kept), self._tokens[domain], now - kept[0].finished_at)
             for domain, kept in self._kept.items()
@@ -146,7 +175,7 @@ class RetentionBuffer:
         """Drop the domain's requests older than ``max_age_s``; returns how many."""
         kept = self._kept.get(domain)
         removed = 0
-        while kept and now - kept[0].finished_at > self.config.max_age_s:
+        while kept and not now - kept[0].finished_at <= self.config.max_age_s:
             self._tokens[domain] -= kept.popleft().num_tokens
             removed += 1
         if kept is not None and not kept:
@@ -162,13 +191,14 @@ class RetentionBuffer:
     def _append(self, record: RetainedRequest) -> None:
         if self._dir is None:
             return
-        fd = os.open(self._file(record.domain), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "a") as f:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+        with os.fdopen(os.open(self._file(record.domain), flags, 0o600), "a") as f:
             f.write(record.to_json() + "\n")
 
     def _rewrite(self, domain: str) -> None:
         """Write the domain's file anew from memory (after something was removed), through
-        a temporary file and a rename, so a crash leaves the old file or the new one."""
+        a new temporary file and a rename, so a crash leaves the old file or the new one."""
+        self._stale.discard(domain)
         if self._dir is None:
             return
         path = self._file(domain)
@@ -177,28 +207,36 @@ class RetentionBuffer:
             path.unlink(missing_ok=True)
             return
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
+        tmp.unlink(missing_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
             f.writelines(r.to_json() + "\n" for r in kept)
         os.replace(tmp, path)
 
     def _load(self) -> None:
         """Read the directory's files back, under today's bounds: records of domains no
         longer allowed, expired or past the token cap are dropped, and so are lines that
-        do not parse (counted in the log)."""
+        do not parse (counted in the log) and temporary files a crash left."""
         assert self._dir is not None
         bad = 0
         records: list[RetainedRequest] = []
+        for path in sorted(self._dir.glob("*.tmp")):
+            path.unlink()
         for path in sorted(self._dir.glob("*.jsonl")):
-            parsed, unreadable = _read_lines(path.read_text().splitlines())
+            try:
+                lines = path.read_text().splitlines()
+            except (OSError, UnicodeDecodeError):
+                lines, bad = [], bad + 1
+            parsed, unreadable = _read_lines(lines)
             records += parsed
             bad += unreadable
             path.unlink()  # rewritten below from what is kept
         records.sort(key=lambda r: r.finished_at)
-        kept = sum(self.add(r) for r in records)
+        kept = sum(self.add(r, stamp=False) for r in records)
+        self.sweep()
         logger.info(
             "retention: %d requests read back from %s (%d dropped by today's bounds, "
-            "%d unreadable lines)",
+            "%d unreadable lines or files)",
             kept,
             self._dir,
             len(records) - kept,

@@ -13,6 +13,7 @@ loses at most ``max_loss`` on every other domain it can be scored on (:func:`jud
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,7 +62,13 @@ def judge(
     """Deploy iff the domain gains ``min_gain`` or more and no other domain loses more
     than ``max_loss`` (agreements per domain, before and after, on the same rows)."""
     gain = after[domain] - before[domain]
-    losses = {d: before[d] - after[d] for d in before if d != domain and d in after}
+    # Domains the current draft could not be scored on say nothing; one the candidate
+    # cannot be scored on counts as lost entirely.
+    losses = {
+        d: before[d] - after[d] if math.isfinite(after.get(d, math.nan)) else math.inf
+        for d in before
+        if d != domain and math.isfinite(before[d])
+    }
     worst = max(losses, key=losses.get) if losses else None
     worst_loss = losses[worst] if worst is not None else 0.0
     if not gain >= min_gain:  # (NaN fails too)
@@ -79,9 +86,10 @@ def judge(
 def split_held_back(
     rows: Sequence[TrainingRow], fraction: float, seed: int = 0
 ) -> tuple[list[TrainingRow], list[TrainingRow]]:
-    """``(train, held back)``: every ``1/fraction``-th row (after a seeded shuffle) is held
-    back for validation, at least one when there are two rows or more."""
-    order = list(rows)
+    """``(train, held back)``: ``fraction`` of the distinct rows (after a seeded shuffle)
+    held back for validation, at least one when there are two or more. Repeated requests
+    (retries, several choices of one prompt) count once, so none is on both sides."""
+    order = list(dict.fromkeys(rows))
     random.Random(seed).shuffle(order)
     n_held = min(len(order) - 1, max(1, round(len(order) * fraction))) if len(order) > 1 else 0
     return order[n_held:], order[:n_held]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -40,6 +39,11 @@ from specdec.sampling import SamplingParams
 from specdec.vocab import check_tokenizers
 
 logger = logging.getLogger("specserve.app")
+
+# Calls to the adaptation deployment a replica keeps in flight at most (each holds a
+# request's token ids; past it a finished request is not kept), and how long each may take.
+MAX_ADAPTATION_CALLS = 1000
+ADAPTATION_CALL_TIMEOUT_S = 30.0
 
 
 def load_tokenizer(config: EngineConfig, role: str = "target"):
@@ -146,8 +150,13 @@ class SpecServeDeployment:
     def _retain(self, req: RequestState) -> None:
         """Send a finished request to the adaptation deployment, off the request's path
         (a lost send loses one training example, never a request)."""
+        if len(self._retaining) >= MAX_ADAPTATION_CALLS:  # the deployment is not keeping up
+            logger.warning(
+                "retention: request %s not kept (too many sends pending)", req.request_id
+            )
+            return
         call = self.adaptation.retain.remote(
-            req.domain, req.prompt_token_ids, list(req.output_token_ids), time.time()
+            req.domain, req.prompt_token_ids, list(req.output_token_ids)
         )
         self._background(call, f"retain {req.request_id}")
 
@@ -165,7 +174,7 @@ class SpecServeDeployment:
 
         async def wait() -> None:
             try:
-                await call
+                await asyncio.wait_for(call, ADAPTATION_CALL_TIMEOUT_S)
             except Exception as exc:
                 logger.warning("adaptation deployment call (%s) failed: %r", what, exc)
 

@@ -427,35 +427,57 @@ class ModelRunner:
 
         Why in place: the parameters' storages stay, so compiled graphs (which read them
         as inputs) and anything else holding them see the new values with no recompile.
-        ``weights`` must name every parameter (tied ones once or under each name) with
-        its shape; anything else is refused before a single value is copied. Every cached
-        key and value was computed by the old weights: the caller rebuilds them (rolls
-        its sequences back and feeds them again)."""
-        params = dict(self.model.named_parameters())  # tied weights appear once
-        known = set(self.model.state_dict())
-        missing = sorted(set(params) - set(weights))
-        unknown = sorted(set(weights) - known)
-        wrong = sorted(
-            f"{name} {tuple(weights[name].shape)} (the model's is {tuple(p.shape)})"
-            for name, p in params.items()
-            if name in weights and weights[name].shape != p.shape
-        )
-        if missing or unknown or wrong:
+        ``weights`` must give every parameter as a finite floating-point tensor of its
+        shape; a tied parameter may come under either name, or both if equal. Anything
+        else is refused (ValueError) before a single value is copied: every value is
+        converted to its parameter's dtype and device first. Every cached key and value
+        was computed by the old weights: the caller rebuilds them (rolls its sequences
+        back and feeds them again)."""
+        staged = self._staged_weights(weights)
+        with torch.no_grad():
+            for param, value in staged:
+                param.copy_(value)
+
+    def _staged_weights(
+        self, weights: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``(parameter, its new value on its device and dtype)`` for every parameter, or
+        ValueError naming what does not fit."""
+        params = dict(self.model.named_parameters())  # a tied parameter once
+        by_tensor = {id(p): name for name, p in params.items()}
+        # every state-dict name -> the parameter it is (tied aliases -> their canonical)
+        canonical = {
+            name: by_tensor[id(t)]
+            for name, t in self.model.state_dict(keep_vars=True).items()
+            if id(t) in by_tensor
+        }
+        problems: dict[str, list[str]] = {}
+        given: dict[str, torch.Tensor] = {}
+        for name, value in weights.items():
+            if name not in canonical:
+                problems.setdefault("unknown", []).append(name)
+                continue
+            target = canonical[name]
+            if target in given and not _same(given[target], value):
+                problems.setdefault("tied names that differ", []).append(name)
+            given.setdefault(target, value)
+        staged = []
+        for name, param in params.items():
+            value = given.get(name)
+            why = _unfit(value, param)
+            if why:
+                problems.setdefault(why, []).append(name)
+            elif not problems:
+                staged.append((param, value.detach().to(param.device, param.dtype)))
+        if problems:
             raise ValueError(
                 "weights do not fit the model: "
                 + "; ".join(
                     f"{what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-                    for what, names in (
-                        ("missing", missing),
-                        ("unknown", unknown),
-                        ("wrong shape", wrong),
-                    )
-                    if names
+                    for what, names in problems.items()
                 )
             )
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(weights[name])  # to the parameter's dtype and device
+        return staged
 
     def length(self, seq_id: Hashable) -> int:
         """Number of tokens whose keys/values are cached for ``seq_id``."""
@@ -835,3 +857,26 @@ def _input_ids(token_ids: Sequence[Sequence[int]] | torch.Tensor, plan: _RowPlan
     for row, i in enumerate(plan.order):
         input_ids[row, : plan.ns[row]] = torch.tensor(token_ids[i], dtype=torch.long, device=host)
     return input_ids
+
+
+def _same(a, b) -> bool:
+    """Two values of one tied parameter: equal tensors (anything else is not)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and torch.equal(a.detach().cpu(), b.detach().cpu())
+    )
+
+
+def _unfit(value, param: torch.nn.Parameter) -> str | None:
+    """Why ``value`` cannot be ``param``'s new value, or None."""
+    if value is None:
+        return "missing"
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        return "not a tensor with data"
+    if value.shape != param.shape:
+        return f"wrong shape (the model's: {tuple(param.shape)})"
+    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+        return "not finite floating point"
+    return None

@@ -187,9 +187,9 @@ class SpeculativeDrafter:
         ones and goes; each sequence's draft cache is rebuilt at its next proposal
         (:meth:`DraftModelProposer.load_weights`). Sequences, their sampling state and
         the acceptance statistics stay."""
+        self.proposer.load_weights(weights)  # refused weights leave everything as it was
         for seq_id in list(self._branches):
             self._drop_branches(seq_id)
-        self.proposer.load_weights(weights)
 
     def _drop_branches(self, seq_id: Hashable) -> None:
         for br in self._branches.pop(seq_id, []):

@@ -224,11 +224,13 @@ class EngineCore:
         if not isinstance(self.link, ColocatedDraftLink):
             raise RuntimeError("the draft is an actor of its own: load its weights there")
         with self._cv:
-            self._new_weights, self._weights_error = (version, weights), None
+            mine = self._new_weights = (version, weights)
+            self._weights_error = None
             self._cv.notify_all()
             deadline = time.monotonic() + timeout_s
-            while self._new_weights is not None and not self.error:
+            while self._new_weights is mine and not self.error:
                 if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    self._new_weights = None  # withdrawn: never loaded after the caller gave up
                     raise TimeoutError(f"the core's loop did not take version {version}")
             if self.error:
                 raise RuntimeError(self.error)
@@ -245,8 +247,10 @@ class EngineCore:
             self.link.rounds.drafter.load_weights(weights)
             self.draft_weights_version = version
             logger.info("colocated draft weights version %d loaded", version)
-        except ValueError as exc:  # refused before anything was copied: the old stay
-            self._weights_error = str(exc)
+        except Exception as exc:  # refused (checked and converted before any copy): the
+            # old weights serve on; the loop must not end for a bad upload
+            self._weights_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("colocated draft weights version %d refused: %s", version, exc)
         self._cv.notify_all()
 
     @ray.method(concurrency_group="control")
@@ -357,7 +361,9 @@ class EngineCore:
             self._loop()
         except Exception as exc:  # Ray does not see this thread: surface the error
             logger.exception("engine core loop failed")
-            self.error = f"engine core failure: {exc!r}"
+            with self._cv:  # (a waiting load_draft_weights learns of it at once)
+                self.error = f"engine core failure: {exc!r}"
+                self._cv.notify_all()
             self.warming = False  # (after the error: /health never reads "ok" between)
             sched = self.scheduler
             ended = list(sched.running) + [req.request_id for req in sched.waiting]

@@ -107,6 +107,9 @@ class EngineClient:
         # in Ray's object store), once load_draft_weights has been called: a replacement
         # draft (or core, colocated) loads them before it drafts.
         self._draft_weights: tuple[int, Any] | None = None
+        # One weights load at a time (a caller's, or a replacement worker's), so that the
+        # version recorded is the one every worker serves.
+        self._weights_lock = asyncio.Lock()
         self.aborted = 0  # requests whose client went away before they finished
         self.draft_restart_failures = 0
         # A replacement target is loading: requests wait for it (it resumes them all).
@@ -256,19 +259,23 @@ class EngineClient:
         the old ones stay. A draft or core replaced later loads the same version."""
         if self.config.draft is None:
             raise EngineError("this engine serves without a draft model")
-        worker = self.target if self.colocated else self.draft
-        if worker is None:
-            raise EngineError("the draft worker is being replaced: try again")
-        ref = ray.put(weights)
-        served = await self._call(self._load_weights(worker, version, ref), extra_s=60.0)
-        self._draft_weights = (served, ref)
-        return served
+        async with self._weights_lock:
+            served = self._draft_weights[0] if self._draft_weights else 0
+            if version <= served:
+                raise ValueError(f"draft version {version} is not newer than {served}")
+            worker = self.target if self.colocated else self.draft
+            if worker is None or self._replacing_target:
+                raise EngineError("the draft's worker is being replaced: try again")
+            ref = ray.put(weights)
+            served = await self._call(self._load_weights(worker, version, ref), extra_s=60.0)
+            self._draft_weights = (served, ref)
+            return served
 
-    def _load_weights(self, worker, version: int, ref):
+    def _load_weights(self, worker, version: int, ref, timeout_s: float = 60.0):
         """The call that loads a draft version into ``worker`` (a draft, or a core with
-        its draft colocated)."""
+        its draft colocated), which waits at most ``timeout_s`` for its loop to take it."""
         method = worker.load_draft_weights if self.colocated else worker.load_weights
-        return method.remote(version, ref)
+        return method.remote(version, ref, timeout_s)
 
     async def round_timings(self, reset: bool = False) -> dict[str, Any]:
         """The core's per-round split (verify, draft waits, overhead), summed over rounds."""
@@ -327,10 +334,13 @@ class EngineClient:
                     raise item
                 if t_first is None and item.new_token_ids:
                     t_first = time.perf_counter()
+                # Before the last yield: a consumer that has its last output closes the
+                # stream without asking for more (the HTTP layer does).
+                ended_well = item.finished and item.finish_reason in ("stop", "length")
+                if ended_well and self.on_finished is not None:
+                    self.on_finished(req)
                 yield item
                 if item.finished:
-                    if self.on_finished is not None and item.finish_reason in ("stop", "length"):
-                        self.on_finished(req)
                     return
         except BaseException as exc:
             if not req.finished or not isinstance(exc, GeneratorExit):  # else: closed at its end
@@ -564,8 +574,12 @@ class EngineClient:
                 self.target_info = await self._await_ready(self.target)
                 if self.colocated:
                     self.draft_info = self.target_info.pop("draft")
-                    if self._draft_weights is not None:  # the version served before
-                        await self._call(self._load_weights(self.target, *self._draft_weights))
+                    async with self._weights_lock:  # the version served before
+                        if self._draft_weights is not None:
+                            # (its loop takes them after compiling its graphs)
+                            wait_s = self.config.faults.startup_timeout_s
+                            load = self._load_weights(self.target, *self._draft_weights, wait_s)
+                            await self._call(load, extra_s=wait_s)
                 await self._refresh_health()  # the new core's (warming while it compiles)
             except Exception as exc:  # any failure of the new core: try another one
                 failures += 1
@@ -653,8 +667,9 @@ class EngineClient:
                 actor = self.launcher.spawn_draft()
                 try:
                     info = await self._await_ready(actor)
-                    if self._draft_weights is not None:  # the version served before
-                        await self._call(self._load_weights(actor, *self._draft_weights), 60)
+                    async with self._weights_lock:  # the version served before
+                        if self._draft_weights is not None:
+                            await self._call(self._load_weights(actor, *self._draft_weights), 60)
                     await self._connect(self.target, actor, info)
                 except asyncio.CancelledError:
                     ray.kill(actor, no_restart=True)

@@ -152,11 +152,13 @@ class DraftWorker:
         come from one version; branches prepared by the old weights are dropped and each
         sequence's cache is rebuilt at its next draft. Returns the version served."""
         with self._cv:
-            self._new_weights, self._weights_error = (version, weights), None
+            mine = self._new_weights = (version, weights)
+            self._weights_error = None
             self._cv.notify_all()
             deadline = time.monotonic() + timeout_s
-            while self._new_weights is not None and self.error is None:
+            while self._new_weights is mine and self.error is None:
                 if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    self._new_weights = None  # withdrawn: never loaded after the caller gave up
                     raise TimeoutError(f"the draft loop did not take version {version}")
             if self.error is not None:
                 raise RuntimeError(self.error)
@@ -223,8 +225,9 @@ class DraftWorker:
         self._cv.notify_all()
         try:
             self.drafter.load_weights(weights)
-        except ValueError as exc:  # refused before anything was copied: the old stay
-            self._weights_error = str(exc)
+        except Exception as exc:  # refused (checked and converted before any copy): the
+            # old weights serve on; the loop must not end for a bad upload
+            self._weights_error = f"{type(exc).__name__}: {exc}"
             logger.warning("draft weights version %d refused: %s", version, exc)
             return
         self.weights_version = version

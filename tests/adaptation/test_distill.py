@@ -110,3 +110,17 @@ def test_judge_deploys_only_a_gain_that_costs_the_others_little():
     alone = judge({"prose": 0.3}, {"prose": 0.45}, "prose", min_gain=0.1)
     assert alone.deploy and alone.worst_other is None
     assert not judge({"prose": math.nan}, {"prose": 0.5}, "prose", min_gain=0.1).deploy
+    # An unscored domain says nothing, in whatever order it comes; a domain the candidate
+    # cannot be scored on is lost.
+    for order in (("sql", "python"), ("python", "sql")):
+        b = {"prose": 0.3, **{d: (math.nan if d == "sql" else 0.8) for d in order}}
+        a = {"prose": 0.5, "sql": math.nan, "python": 0.8}
+        assert judge(b, a, "prose", min_gain=0.1).deploy, order
+    lost = judge({"prose": 0.3, "sql": 0.6}, {"prose": 0.5, "sql": math.nan}, "prose", 0.1)
+    assert not lost.deploy and lost.worst_other == "sql"
+
+
+def test_a_repeated_request_is_never_on_both_sides():
+    rows = [TrainingRow((1, 2, 3), 1)] * 3 + [TrainingRow((4, 5, 6), 1), TrainingRow((7, 8), 1)]
+    train, held = split_held_back(rows, 0.34)
+    assert len(held) == 1 and len(train) == 2 and not set(train) & set(held)

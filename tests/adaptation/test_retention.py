@@ -44,7 +44,10 @@ def test_the_oldest_requests_make_room_under_the_token_cap():
         assert buf.add(r)
     assert buf.summary()["d"].tokens == 16
     assert buf.add(third)  # 24 > 20: the first goes
-    assert buf.records("d") == [second, third]
+    assert [r.prompt_token_ids for r in buf.records("d")] == [
+        second.prompt_token_ids,
+        third.prompt_token_ids,
+    ]
     assert buf.summary()["d"].tokens == 16
     # A request larger than the cap, or than max_request_tokens, is never kept.
     assert not buf.add(req("d", 15, 6, 1_000_000.0))
@@ -53,16 +56,41 @@ def test_the_oldest_requests_make_room_under_the_token_cap():
 
 
 def test_requests_past_their_age_are_dropped():
+    """Ages run on the buffer's clock from when a request was kept, whatever time its
+    sender claimed (a replica's clock ahead would otherwise keep it, and every request
+    behind it, for longer)."""
     clock = Clock()
     buf = buffer(clock, max_age_s=60.0)
-    buf.add(req("d", 3, 2, clock.now - 50))
-    buf.add(req("d", 3, 2, clock.now - 10, first=50))
+    buf.add(req("d", 3, 2, clock.now + 3600))  # a sender's clock an hour ahead
+    clock.now += 40
+    buf.add(req("d", 3, 2, float("nan"), first=50))
     assert buf.summary()["d"].requests == 2
-    assert buf.summary()["d"].oldest_age_s == pytest.approx(50.0)
-    clock.now += 20  # the first is now 70 s old
+    assert buf.summary()["d"].oldest_age_s == pytest.approx(40.0)
+    clock.now += 30  # the first is now 70 s old
     assert [r.prompt_token_ids[0] for r in buf.records("d")] == [50]
     clock.now += 60
     assert buf.summary() == {} and buf.records("d") == []
+
+
+def test_an_idle_domain_ages_out_at_a_sweep_from_memory_and_disk(tmp_path):
+    clock = Clock()
+    buf = buffer(clock, max_age_s=60.0, directory=str(tmp_path))
+    buf.add(req("idle", 3, 2, 0.0))
+    assert len(list(tmp_path.iterdir())) == 1 and buf.sweep_interval_s() == 15.0
+    clock.now += 61
+    buf.sweep()  # the deployment's periodic call; nothing else touched the domain
+    assert buf._kept == {} and list(tmp_path.iterdir()) == []
+
+
+def test_requests_the_token_cap_evicts_leave_the_file_at_the_next_sweep(tmp_path):
+    buf = buffer(max_tokens_per_domain=16, directory=str(tmp_path))
+    for i in range(3):  # 8 tokens each: the first goes at the third
+        buf.add(req("d", 5, 3, 0.0, first=10 * i))
+    (path,) = tmp_path.iterdir()
+    assert len(path.read_text().splitlines()) == 3  # appended, not rewritten per request
+    buf.sweep()
+    firsts = [json.loads(x)["prompt_token_ids"][0] for x in path.read_text().splitlines()]
+    assert firsts == [10, 20]
 
 
 def test_an_operator_drops_a_domain():
@@ -79,9 +107,10 @@ def test_a_directory_keeps_requests_across_restarts(tmp_path):
     clock = Clock()
     where = tmp_path / "kept"
     buf = buffer(clock, directory=str(where), domains=["python", "prose", "../../etc/passwd"])
-    kept = [req("python", 4, 3, clock.now - i) for i in (3, 2)]
+    kept = [req("python", 4, 3, 0.0, first=f) for f in (5, 9)]
     for r in kept:
         buf.add(r)
+        clock.now += 1
     buf.add(req("prose", 2, 2, clock.now))
     buf.add(req("../../etc/passwd", 2, 2, clock.now))  # a client's domain name: a hash
     assert stat.S_IMODE(where.stat().st_mode) == 0o700
@@ -92,8 +121,13 @@ def test_a_directory_keeps_requests_across_restarts(tmp_path):
     with open(next(f for f in files if "prose" in f.read_text()), "a") as f:
         f.write("{not json\n")
 
+    (where / "stray.tmp").write_text("a crash's leftover")
     again = buffer(clock, directory=str(where), domains=["python", "prose"])
-    assert again.records("python") == kept
+    back = again.records("python")
+    assert [(r.prompt_token_ids, r.output_token_ids) for r in back] == [
+        (r.prompt_token_ids, r.output_token_ids) for r in kept
+    ]
+    assert [r.finished_at for r in back] == [clock.now - 2, clock.now - 1]  # as kept
     assert again.summary()["prose"].requests == 1
     # The domain no longer allowed is gone, from memory and from disk.
     assert "../../etc/passwd" not in again.summary()
@@ -106,10 +140,12 @@ def test_a_directory_keeps_requests_across_restarts(tmp_path):
 
 def test_a_restart_applies_todays_bounds(tmp_path):
     clock = Clock()
-    buffer(clock, directory=str(tmp_path)).add(req("d", 3, 2, clock.now))
+    buffer(clock, directory=str(tmp_path)).add(req("d", 3, 2, 0.0))
     clock.now += 120
-    assert buffer(clock, directory=str(tmp_path), max_age_s=60.0).summary() == {}
-    assert list(tmp_path.iterdir()) == []
+    again = buffer(clock, directory=str(tmp_path), max_age_s=60.0)
+    assert again._kept == {} and list(tmp_path.iterdir()) == []  # at once, not lazily
+    (tmp_path / "x.jsonl").write_bytes(b"\xff\xfe not utf-8")
+    assert buffer(clock, directory=str(tmp_path)).summary() == {}  # an unreadable file
 
 
 def test_settings_are_checked():

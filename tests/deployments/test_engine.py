@@ -981,9 +981,10 @@ def test_draft_weights_swapped_mid_generation_keep_every_request_exact(
 ):
     """New draft weights reach the draft between rounds while requests run: every output
     equals target-only, the swap takes effect (the target's own weights as the draft:
-    afterwards every greedy draft is accepted, which a stale cache would break), weights
-    that do not fit are refused with the old ones kept, and a replacement draft loads the
-    version served."""
+    afterwards every greedy draft is accepted), weights that do not fit and versions not
+    newer are refused with the old ones kept, and a replacement draft loads the version
+    served. (That no stale draft cache survives a swap is tests/specdec/test_proposers.py's
+    check: here later requests start with fresh caches.)"""
     spec = {"num_speculative_tokens": 3, "adaptive_overlap": False}
     if shape == "actor":
         spec["mode"] = "overlap"
@@ -992,13 +993,17 @@ def test_draft_weights_swapped_mid_generation_keep_every_request_exact(
 
     async def body(engine):
         running = [asyncio.create_task(collect(engine, p, GREEDY)) for p in PROMPTS]
+        deadline = time.monotonic() + 60
         while not any(r.output_token_ids for r in engine._requests.values()):
+            assert time.monotonic() < deadline, "no request made progress"
             await asyncio.sleep(0.01)
         assert await engine.load_draft_weights(1, target_weights) == 1  # mid-generation
         during = await asyncio.gather(*running)
         after = await asyncio.gather(*[collect(engine, p, GREEDY) for p in PROMPTS[:4]])
         with pytest.raises(ValueError, match="missing"):
             await engine.load_draft_weights(2, {"lm_head.weight": torch.zeros(1)})
+        with pytest.raises(ValueError, match="not newer"):
+            await engine.load_draft_weights(1, target_weights)
         again = await collect(engine, PROMPTS[0], GREEDY)
         replaced = None
         if shape == "actor":  # a replacement draft serves the version served
@@ -1020,3 +1025,32 @@ def test_draft_weights_swapped_mid_generation_keep_every_request_exact(
         version, (tokens, last) = replaced
         assert version == 1 and tokens == reference[tuple(PROMPTS[1])]
         assert last.stats.accepted == last.stats.drafted > 0
+
+
+def test_a_finished_request_is_handed_on_when_the_consumer_stops_at_its_end(
+    ray_local, tiny_target, tiny_draft, reference
+):
+    """The HTTP layer stops reading at the finished output and closes the stream: the
+    request still reaches ``on_finished`` (retention) with all its tokens; one whose
+    client went away before its end does not."""
+    finished = []
+
+    async def body():
+        engine = EngineClient(config(tiny_target, tiny_draft), on_finished=finished.append)
+        await engine.start()
+        try:
+            stream = engine.generate(PROMPTS[0], GREEDY)
+            async for out in stream:
+                if out.finished:
+                    break  # no further __anext__, as serving.py and streaming.py do
+            await stream.aclose()
+            gone = engine.generate(PROMPTS[1], GREEDY)
+            await gone.__anext__()
+            await gone.aclose()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(body())
+    assert len(finished) == 1
+    assert finished[0].output_token_ids == reference[tuple(PROMPTS[0])]
+    assert finished[0].prompt_token_ids == PROMPTS[0]

@@ -215,7 +215,16 @@ def test_weights_that_do_not_fit_are_refused_untouched(tiny_draft):
     missing = {k: v for k, v in good.items() if k != name}
     wrong = {**good, name: torch.zeros(3, 3)}
     extra = {**{k: v + 1 for k, v in good.items()}, "model.extra.weight": torch.zeros(1)}
-    for bad, words in ((missing, "missing"), (wrong, "wrong shape"), (extra, "unknown")):
+    nan = {**good, name: torch.full_like(good[name], float("nan"))}
+    array = {**good, name: good[name].numpy()}  # its shape compares equal to the tensor's
+    cases = (
+        (missing, "missing"),
+        (wrong, "wrong shape"),
+        (extra, "unknown"),
+        (nan, "not finite"),
+        (array, "not a tensor"),
+    )
+    for bad, words in cases:
         with pytest.raises(ValueError, match=words) as info:
             runner.load_weights(bad)
         assert "model." in str(info.value)
@@ -223,3 +232,19 @@ def test_weights_that_do_not_fit_are_refused_untouched(tiny_draft):
             assert torch.equal(v, before[k]), k  # nothing copied before the refusal
     runner.load_weights({k: v * 2 for k, v in good.items()})
     assert torch.equal(runner.model.state_dict()[name], good[name] * 2)
+
+
+def test_a_tied_parameter_comes_under_either_name(tmp_path):
+    """The demo draft ties its output layer to its embedding: either name gives the
+    parameter, both must agree."""
+    from tests.conftest import DEMO_DRAFT
+
+    runner = ModelRunner(DEMO_DRAFT, max_num_seqs=1)
+    good = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    assert torch.equal(good["lm_head.weight"], good["model.embed_tokens.weight"])
+    differ = {**good, "lm_head.weight": good["lm_head.weight"] + 1}
+    with pytest.raises(ValueError, match="tied names that differ"):
+        runner.load_weights(differ)
+    only_head = {k: v * 2 for k, v in good.items() if k != "model.embed_tokens.weight"}
+    runner.load_weights(only_head)
+    assert torch.equal(runner.model.model.embed_tokens.weight, good["lm_head.weight"] * 2)
