@@ -96,6 +96,7 @@ def collate(
     return ids.to(device), mask.to(device), labels.to(device)
 
 
+@torch.enable_grad()  # whatever the caller's setting (serving code turns gradients off)
 def distill(
     model: torch.nn.Module,
     domain_rows: Sequence[TrainingRow],

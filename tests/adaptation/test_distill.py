@@ -91,6 +91,17 @@ def test_a_draft_distilled_on_a_targets_outputs_agrees_with_it_more():
     assert not draft.training  # left in eval mode
 
 
+def test_a_run_trains_where_gradients_were_turned_off():
+    """Serving code (and benchmarks in the same process) turn gradients off globally."""
+    rows = [TrainingRow((1, 2, 3, 4), 2)]
+    model = tiny(0)
+    before = model.model.layers[0].mlp.up_proj.weight.clone()
+    with torch.no_grad():
+        report = distill(model, rows, [], DistillSettings(steps=2))
+    assert report.steps == 2 and torch.is_grad_enabled()  # the setting restored
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, before)
+
+
 def test_a_run_stops_at_its_time_budget():
     rows = [TrainingRow((1, 2, 3, 4), 2)]
     report = distill(tiny(0), rows, rows, DistillSettings(steps=10_000, max_seconds=0.5))
