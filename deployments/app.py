@@ -124,7 +124,6 @@ class SpecServeDeployment:
             on_finished=self._retain if adaptation is not None else None,
         )
         await self.engine.start()
-        self.draft_version = 0  # the adaptation version this replica's draft serves
         if adaptation is not None and self.config.engine.draft is not None:
             self._follow = asyncio.get_running_loop().create_task(self._follow_versions())
 
@@ -134,12 +133,11 @@ class SpecServeDeployment:
         while True:
             try:
                 version = await self.adaptation.served_version.remote()
-                if version != self.draft_version:
+                if version != self.engine.health()["draft_version"]:
                     refs = await self.adaptation.weights.remote(version)
                     if refs:  # else the version moved on meanwhile: the next check
                         weights = await refs[0]
                         await self.engine.load_draft_weights(version, weights)
-                        self.draft_version = version
                         logger.info("draft version %d served", version)
             except asyncio.CancelledError:
                 raise
@@ -221,7 +219,6 @@ class SpecServeDeployment:
     async def health_info(self) -> dict[str, Any]:
         return {
             **self.engine.health(),
-            "draft_version": getattr(self, "draft_version", 0),
             "replica_id": self.replica_id,
             "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
             "target": self.engine.target_info,

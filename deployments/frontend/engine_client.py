@@ -249,6 +249,7 @@ class EngineClient:
             if self.draft is not None or self.colocated
             else None,
             "aborted": self.aborted,
+            "draft_version": self._draft_weights[0] if self._draft_weights else 0,
             "error": self._fatal,
         }
 

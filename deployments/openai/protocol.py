@@ -409,4 +409,9 @@ class Health(BaseModel):
         "budget). None without a draft, or while one is replaced.",
     )
     aborted: int = Field(description="Requests whose client left before they finished.")
+    draft_version: int = Field(
+        default=0,
+        description="The draft weights this replica serves: 0 as deployed, n after the "
+        "n-th adapted version (adaptation).",
+    )
     error: str | None = Field(default=None, description="Why the replica cannot serve.")

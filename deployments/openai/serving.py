@@ -53,6 +53,7 @@ def engine_health(engine: EngineClient) -> tuple[Health, int]:
         kv_cache=h["kv_cache"],
         draft_kv_cache=h["draft_kv_cache"],
         aborted=h["aborted"],
+        draft_version=h["draft_version"],
         error=h["error"],
     )
     return body, 503 if body.status == "unavailable" else 200
