@@ -139,6 +139,9 @@ class SpecServeDeployment:
                         weights = await refs[0]
                         await self.engine.load_draft_weights(version, weights)
                         logger.info("draft version %d served", version)
+                        if self.monitor is not None:  # acceptance changes: new baselines
+                            call = self.monitor.new_draft_deployed.remote(version)
+                            self._background(call, f"draft version {version} to the monitor")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

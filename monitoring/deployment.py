@@ -55,6 +55,7 @@ class MonitorDeployment:
             on_drift=None if push is None else (lambda e, m: self._pool.submit(push, e, m)),
         )
         self.flushes = 0
+        self.draft_version = 0  # the newest adapted draft version a replica reported
 
     async def report(
         self, batch: RoundBatch, requests: list[RequestRecord], cursor: AlertCursor | None
@@ -71,9 +72,18 @@ class MonitorDeployment:
         """An operator accepts the domain's new acceptance level: learn its baseline anew."""
         self.monitor.acknowledge(domain)
 
-    async def new_draft_deployed(self) -> None:
-        """A new draft model: every domain learns its baseline anew."""
+    async def new_draft_deployed(self, version: int | None = None) -> bool:
+        """A new draft model: every domain learns its baseline anew. ``version``: the
+        adapted draft version a replica now serves; every replica reports it, and only
+        the first report of a version newer than any seen re-baselines. Returns whether
+        this call did."""
+        if version is not None:
+            if version <= self.draft_version:
+                return False
+            self.draft_version = version
         self.monitor.new_draft_deployed()
+        logger.info("new draft (version %s): every domain's baseline is learnt anew", version)
+        return True
 
     async def status(self) -> dict[str, Any]:
         """Drift state per domain and alert history (for tests, dashboards and operators)."""
@@ -97,6 +107,7 @@ class MonitorDeployment:
                 for e in self.monitor.events
             ],
             "alertmanager_pushes": None if self.push is None else self.push.sent,
+            "draft_version": self.draft_version,
         }
 
     def __del__(self):

@@ -134,6 +134,12 @@ def test_an_adaptation_run_reaches_the_replicas_draft_and_output_stays_exact(
         time.sleep(0.2)
     status = store.status.remote().result()
     assert status["version"] == 1 and status["outcomes"]["deployed"] == 1
+    # The monitor learns every domain's baseline anew for the new draft (once per version).
+    monitor = serve.get_deployment_handle("engine-testMonitor", "engine-test")
+    while monitor.status.remote().result()["draft_version"] != 1:
+        assert time.monotonic() < deadline + 90, "the monitor never heard of version 1"
+        time.sleep(0.2)
+    assert not monitor.new_draft_deployed.remote(1).result()  # a second report: no reset
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prompt = [30, 31, 32, 33, 34]
     expected = generate_autoregressive(ModelRunner(tiny_target), prompt, params).token_ids
