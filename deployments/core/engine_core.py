@@ -56,7 +56,7 @@ from deployments.messages import (
     decode,
     encode,
 )
-from deployments.workers.drafting import DraftRounds
+from deployments.workers.drafting import DraftRounds, WeightsHandoff
 from deployments.workers.model_loader import (
     configure_thread,
     load_runner,
@@ -124,11 +124,8 @@ class EngineCore:
         self._new: list[EngineCoreRequest] = []
         self._aborts: set[Hashable] = set()
         self._seq_ids: set[Hashable] = set()  # every request added and not yet ended
-        # A colocated draft's new weights, for the loop to load between rounds, and the
-        # outcome the caller waits for (load_draft_weights).
-        self._new_weights: tuple[int, dict] | None = None
-        self._weights_error: str | None = None
-        self.draft_weights_version = 0
+        # A colocated draft's new weights, for the loop to load between rounds.
+        self.draft_weights = WeightsHandoff(self._cv, "colocated")
         self.link: DraftLink = (
             ActorDraftLink(config.transport, is_live=self._seq_ids.__contains__)
             if config.colocated_draft is None
@@ -224,34 +221,7 @@ class EngineCore:
         if not isinstance(self.link, ColocatedDraftLink):
             raise RuntimeError("the draft is an actor of its own: load its weights there")
         with self._cv:
-            mine = self._new_weights = (version, weights)
-            self._weights_error = None
-            self._cv.notify_all()
-            deadline = time.monotonic() + timeout_s
-            while self._new_weights is mine and not self.error:
-                if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    self._new_weights = None  # withdrawn: never loaded after the caller gave up
-                    raise TimeoutError(f"the core's loop did not take version {version}")
-            if self.error:
-                raise RuntimeError(self.error)
-            if self._weights_error is not None:
-                raise ValueError(self._weights_error)
-            return self.draft_weights_version
-
-    def _load_waiting_weights(self) -> None:
-        """The loop thread, between rounds (caller holds _cv): load a colocated draft's
-        waiting weights, and wake the caller."""
-        version, weights = self._new_weights
-        self._new_weights = None
-        try:
-            self.link.rounds.drafter.load_weights(weights)
-            self.draft_weights_version = version
-            logger.info("colocated draft weights version %d loaded", version)
-        except Exception as exc:  # refused (checked and converted before any copy): the
-            # old weights serve on; the loop must not end for a bad upload
-            self._weights_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("colocated draft weights version %d refused: %s", version, exc)
-        self._cv.notify_all()
+            return self.draft_weights.offer(version, weights, timeout_s, lambda: self.error)
 
     @ray.method(concurrency_group="control")
     def get_timings(self, reset: bool = False) -> dict[str, Any]:
@@ -391,13 +361,13 @@ class EngineCore:
                 while not (sched.running or self._new or self._aborts or sched.waiting):
                     if self._stopped:
                         return
-                    if self._new_weights is not None:
-                        self._load_waiting_weights()
+                    if self.draft_weights.waiting:
+                        self.draft_weights.take(self.link.rounds.drafter.load_weights)
                         continue
                     self._last_round_end = None  # idle time is no round's
                     self._cv.wait()
-                if self._new_weights is not None:
-                    self._load_waiting_weights()
+                if self.draft_weights.waiting:
+                    self.draft_weights.take(self.link.rounds.drafter.load_weights)
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, set()
                 sched.has_draft = self.link.has_draft

@@ -25,7 +25,7 @@ from deployments.messages import (
     decode,
     encode,
 )
-from deployments.workers.drafting import DraftRounds, pushed_drafts
+from deployments.workers.drafting import DraftRounds, WeightsHandoff, pushed_drafts
 from deployments.workers.model_loader import (
     configure_thread,
     load_runner,
@@ -85,11 +85,7 @@ class DraftWorker:
         self.speculated = 0  # branches prepared
         self._speculated = False  # the last message's speculation ran (its hits count)
         self.error: str | None = None
-        # New draft weights waiting for the loop (applied between messages) and the
-        # version served; see load_weights.
-        self._new_weights: tuple[int, dict] | None = None
-        self._weights_error: str | None = None  # why the last weights were refused
-        self.weights_version = 0
+        self.weights = WeightsHandoff(self._cv, "draft")  # new weights for the loop
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
 
     @ray.method(concurrency_group="io")
@@ -148,23 +144,11 @@ class DraftWorker:
     @ray.method(concurrency_group="io")
     def load_weights(self, version: int, weights: dict, timeout_s: float = 60.0) -> int:
         """Serve the draft with ``weights`` (a state dict) as ``version`` from the next
-        message on. The loop applies them between messages, so a round's drafts and q
-        come from one version; branches prepared by the old weights are dropped and each
-        sequence's cache is rebuilt at its next draft. Returns the version served."""
+        message on (:class:`WeightsHandoff`); branches prepared by the old weights are
+        dropped and each sequence's cache is rebuilt at its next draft. Returns the
+        version served."""
         with self._cv:
-            mine = self._new_weights = (version, weights)
-            self._weights_error = None
-            self._cv.notify_all()
-            deadline = time.monotonic() + timeout_s
-            while self._new_weights is mine and self.error is None:
-                if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    self._new_weights = None  # withdrawn: never loaded after the caller gave up
-                    raise TimeoutError(f"the draft loop did not take version {version}")
-            if self.error is not None:
-                raise RuntimeError(self.error)
-            if self._weights_error is not None:
-                raise ValueError(self._weights_error)
-            return self.weights_version
+            return self.weights.offer(version, weights, timeout_s, lambda: self.error)
 
     @ray.method(concurrency_group="io")
     def stats(self) -> dict[str, Any]:
@@ -180,7 +164,7 @@ class DraftWorker:
             "failed_sequences": self.rounds.failed_sequences,
             "kv_cache": self.runner.kv_usage(),
             "cores": self.cores,
-            "weights_version": self.weights_version,
+            "weights_version": self.weights.version,
         }
 
     @ray.method(concurrency_group="io")
@@ -216,22 +200,7 @@ class DraftWorker:
 
     def _should_stop(self) -> bool:
         """Speculation stops for a newer message or for new weights."""
-        return self._has_next() or self._new_weights is not None
-
-    def _swap_weights(self) -> None:
-        """Apply waiting weights (the loop thread, between messages; caller holds _cv)."""
-        version, weights = self._new_weights
-        self._new_weights = None
-        self._cv.notify_all()
-        try:
-            self.drafter.load_weights(weights)
-        except Exception as exc:  # refused (checked and converted before any copy): the
-            # old weights serve on; the loop must not end for a bad upload
-            self._weights_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("draft weights version %d refused: %s", version, exc)
-            return
-        self.weights_version = version
-        logger.info("draft weights version %d loaded", version)
+        return self._has_next() or self.weights.waiting
 
     def _loop_guarded(self) -> None:
         configure_thread(self.spec)
@@ -240,12 +209,12 @@ class DraftWorker:
             while True:
                 with self._cv:
                     while not self._has_next():
-                        if self._new_weights is not None:
-                            self._swap_weights()
+                        if self.weights.waiting:
+                            self.weights.take(self.drafter.load_weights)
                             continue
                         self._cv.wait()
-                    if self._new_weights is not None:
-                        self._swap_weights()
+                    if self.weights.waiting:
+                        self.weights.take(self.drafter.load_weights)
                     msg = self._inbox.pop(self._next_no)
                     self._next_no += 1
                     core = self._core

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Hashable
+import threading
+import time
+from collections.abc import Callable, Hashable
 
 from deployments.messages import DraftItem, DraftStatus, PushedDraft
 from specdec.qcodec import DeviceQ, encode_batch
@@ -130,3 +132,57 @@ class DraftRounds:
         with contextlib.suppress(Exception):
             self.drafter.free(sid)
         return PushedDraft(sid, DraftStatus.GAVE_UP)
+
+
+class WeightsHandoff:
+    """New draft weights, handed from an actor call's thread to the loop thread that owns
+    the draft (the draft actor's loop, or the core's with a colocated draft).
+
+    The caller waits until the loop has loaded them between two messages or rounds (so a
+    round's drafts and q come from one version), or refused them (the old weights serve
+    on); weights its caller gave up on (a timeout) are withdrawn, never loaded later.
+    Every method runs with ``cv`` held (the lock that guards what calls hand the loop)."""
+
+    def __init__(self, cv: threading.Condition, what: str):
+        self._cv, self._what = cv, what
+        self._pending: tuple[int, dict] | None = None
+        self._error: str | None = None  # why the last weights were refused
+        self.version = 0  # the version loaded
+
+    @property
+    def waiting(self) -> bool:
+        return self._pending is not None
+
+    def offer(
+        self, version: int, weights: dict, timeout_s: float, failed: Callable[[], str | None]
+    ) -> int:
+        """The caller's side: returns the version now served; raises ValueError if the
+        weights were refused, TimeoutError, or RuntimeError with ``failed()``'s reason
+        once the loop has failed."""
+        mine = self._pending = (version, weights)
+        self._error = None
+        self._cv.notify_all()
+        deadline = time.monotonic() + timeout_s
+        while self._pending is mine and not failed():
+            if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                self._pending = None  # withdrawn: never loaded after the caller gave up
+                raise TimeoutError(f"the {self._what} loop did not take version {version}")
+        if failed():
+            raise RuntimeError(failed())
+        if self._error is not None:
+            raise ValueError(self._error)
+        return self.version
+
+    def take(self, load: Callable[[dict], None]) -> None:
+        """The loop's side, between messages or rounds: ``load`` the waiting weights."""
+        version, weights = self._pending
+        self._pending = None
+        try:
+            load(weights)
+            self.version = version
+            logger.info("%s draft weights version %d loaded", self._what, version)
+        except Exception as exc:  # refused (checked and converted before any copy): the
+            # old weights serve on; the loop must not end for a bad upload
+            self._error = f"{type(exc).__name__}: {exc}"
+            logger.warning("%s draft weights version %d refused: %s", self._what, version, exc)
+        self._cv.notify_all()
