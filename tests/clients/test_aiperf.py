@@ -50,5 +50,11 @@ def test_aiperf_profile(server_url, tokenizer_path, tmp_path, endpoint, extra):
     assert summary["input_sequence_length"]["min"] >= PROMPT_TOKENS
     ttft, itl = summary["time_to_first_token"], summary["inter_token_latency"]
     assert ttft["unit"] == itl["unit"] == "ms"
-    assert ttft["min"] > 0 and ttft["avg"] > 0 and itl["min"] > 0 and itl["avg"] > 0
-    assert all(r["metrics"]["inter_token_latency"]["value"] > 0 for r in records)
+    assert ttft["min"] > 0 and ttft["avg"] > 0 and itl["avg"] > 0
+    # AIPerf stamps each SSE message with the network read it came in, and ITL is
+    # (last content message - first) / tokens after the first. On 2 busy cores the
+    # client's loop can sleep through a whole (short) stream and read it in one read:
+    # that record's ITL is 0 with the server streaming token by token. A server that
+    # sent everything at the end would read 0 on every record; most must be above 0.
+    itls = [r["metrics"]["inter_token_latency"]["value"] for r in records]
+    assert all(v >= 0 for v in itls) and sum(v > 0 for v in itls) > len(itls) // 2, itls
