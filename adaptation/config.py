@@ -109,6 +109,45 @@ class TrainerConfig(BaseModel):
     )
 
 
+class RollbackConfig(BaseModel):
+    """When a deployed version is taken back by itself: its live acceptance on the domain
+    it was trained for, over its first rounds there, against the version before it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=True,
+        description="Watch each version a run deployed and roll it back by itself when "
+        "its live acceptance falls short (an operator can always roll back by hand).",
+    )
+    window_rounds: int = Field(
+        default=64,
+        ge=1,
+        description="Drafted rounds of the domain, on every replica together, the new "
+        "version is judged on.",
+    )
+    max_drop: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=1.0,
+        description="Roll back when the new version's live acceptance (alpha_hat) on the "
+        "domain is more than this below the version before it.",
+    )
+    min_before_rounds: int = Field(
+        default=16,
+        ge=1,
+        description="Drafted rounds the version before needs on the domain for its live "
+        "acceptance to be the reference (a domain the policy had stopped drafting has "
+        "few); with fewer, the run's held-back agreement before training stands in.",
+    )
+    max_wait_s: float = Field(
+        default=3600.0,
+        gt=0.0,
+        description="Seconds the watch waits for its window of rounds; after that the "
+        "version is kept with what was seen (said so in its record).",
+    )
+
+
 class AdaptationConfig(BaseModel):
     """Draft adaptation to live traffic: which data it may learn from, how it trains,
     and how replicas learn of a new draft version."""
@@ -123,6 +162,17 @@ class AdaptationConfig(BaseModel):
         default_factory=TrainerConfig,
         description="How a run trains, validates and decides. Runs learn from retained "
         "requests: with retention off there is no adaptation deployment and no run.",
+    )
+    rollback: RollbackConfig = Field(
+        default_factory=RollbackConfig,
+        description="Automatic rollback of a deployed version whose live acceptance on "
+        "its domain falls short of the version before.",
+    )
+    enabled: bool = Field(
+        default=True,
+        description="Runs may start and deploy. The adaptation deployment's set_enabled "
+        "turns this off and on at run time (retention goes on either way; the version "
+        "served stays until an operator rolls it back).",
     )
     poll_interval_s: float = Field(
         default=5.0,

@@ -19,6 +19,17 @@ Operators reach it through Ray (never through the clients' HTTP port)::
     h.drop.remote("python").result()  # forget one domain's requests now
     h.adapt.remote("prose").result()  # a run now; returns its verdict and scores
     h.status.remote().result()        # the version served, runs and their outcomes
+    h.versions.remote().result()      # every version kept: origin, scores, live check
+    h.rollback.remote().result()      # serve the version before again (or rollback(to=2))
+    h.set_enabled.remote(False).result()  # no run starts or deploys until True again
+    h.export.remote(2, "/models/draft-v2").result()  # a Hugging Face directory
+
+A version a run deployed is watched: its live acceptance on the domain, over its first
+``rollback.window_rounds`` drafted rounds there (the monitor's counts per version), is
+compared with the version before it (:mod:`adaptation.swap_check`); more than
+``rollback.max_drop`` lower and it is rolled back by itself. Every outcome goes to the
+monitor (metrics ``specserve_adaptation_runs_total{outcome}`` and friends, and an
+OpenTelemetry log record).
 """
 
 from __future__ import annotations
@@ -31,12 +42,17 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from adaptation.candidate import DraftSource, run
+from adaptation.candidate import DraftSource, load_draft, run
 from adaptation.config import AdaptationConfig
 from adaptation.retention import RetainedRequest, RetentionBuffer
+from adaptation.swap_check import Counts, check_swap
+from adaptation.versions import DraftVersion, VersionHistory
 
 logger = logging.getLogger("specserve.adaptation")
+
+MONITOR_CALL_TIMEOUT_S = 30.0
 
 
 def _run_task(source, current, domain, records, config, num_threads):
@@ -45,6 +61,35 @@ def _run_task(source, current, domain, records, config, num_threads):
 
     torch.set_num_threads(num_threads)
     return run(source, current, domain, records, config, log=logger.info)
+
+
+def _source_weights_task(source):
+    """Version 0's state dict (the checkpoint as deployed), in the serving dtype."""
+    import torch
+
+    dtype = getattr(torch, source.dtype)
+    return {k: v.to(dtype) for k, v in load_draft(source, None).state_dict().items()}
+
+
+def _export_task(source, weights, directory):
+    """The draft with ``weights`` as a Hugging Face directory (model, config, tokenizer)."""
+    import os
+
+    import torch
+    from transformers import AutoTokenizer
+
+    if os.path.exists(directory) and os.listdir(directory):
+        raise ValueError(f"{directory} exists and is not empty: not overwritten")
+    model = load_draft(source, weights).to(getattr(torch, source.dtype))
+    model.save_pretrained(directory)
+    try:  # a draft directory without its own tokenizer exports without one
+        tok = AutoTokenizer.from_pretrained(
+            source.model, trust_remote_code=source.trust_remote_code
+        )
+        tok.save_pretrained(directory)
+    except (OSError, ValueError):
+        pass
+    return sorted(os.listdir(directory))
 
 
 @serve.deployment(
@@ -57,18 +102,33 @@ class AdaptationDeployment:
     """Holds the application's :class:`RetentionBuffer` and draft versions; see the
     module docstring."""
 
-    async def __init__(self, config: dict[str, Any], draft: dict[str, Any] | None = None):
+    async def __init__(
+        self,
+        config: dict[str, Any],
+        draft: dict[str, Any] | None = None,
+        monitor=None,
+        model: str = "",
+    ):
         self.config = AdaptationConfig.model_validate(config)
         self.buffer = RetentionBuffer(self.config.retention)
         # Expired requests leave memory and disk even in domains nobody sends to.
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        loop = asyncio.get_running_loop()
+        self._tasks = {loop.create_task(self._sweep_forever())}
         self.source = None if draft is None else DraftSource(**draft)
-        self.version = 0  # 0: the draft as deployed
-        self._weights_ref = None  # the served version's state dict, in the object store
+        self.monitor, self.model = monitor, model  # (no monitor: no events, no rollback)
+        self.enabled = self.config.enabled
+        self.history = VersionHistory()
+        self._refs: dict[int, Any] = {}  # version -> its state dict in the object store
         self._run: asyncio.Task | None = None
         self._started: dict[str, float] = {}  # domain -> when its last run started
         self.runs: list[dict[str, Any]] = []  # each run's summary, newest last
-        self.outcomes = {"started": 0, "deployed": 0, "rejected": 0, "failed": 0}
+        self.outcomes = dict.fromkeys(
+            ("started", "deployed", "rejected", "failed", "rolled_back", "kept"), 0
+        )
+
+    @property
+    def version(self) -> int:
+        return self.history.current.version
 
     async def retain(
         self, domain: str, prompt_token_ids: list[int], output_token_ids: list[int]
@@ -108,12 +168,74 @@ class AdaptationDeployment:
     async def weights(self, version: int) -> list:
         """``[ObjectRef]`` of ``version``'s state dict (in a list, so that the caller
         fetches it from the object store itself); [] if that is not the version served."""
-        if version != self.version or self._weights_ref is None:
+        if version != self.version:
             return []
-        return [self._weights_ref]
+        weights_of = self.history.current.weights_of
+        return [self._refs[weights_of]] if weights_of in self._refs else []
+
+    async def versions(self) -> list[dict[str, Any]]:
+        """Every version kept, oldest first: origin, domain, scores, the live check."""
+        return [v.as_dict() for v in self.history.versions]
+
+    async def rollback(self, to: int | None = None, reason: str = "by an operator") -> int:
+        """Serve the weights of version ``to`` again (None: of the version served before
+        this one) as a new version, which replicas load as they load any; returns it."""
+        target = self.history.rollback_target(to)
+        if target.weights_of not in self._refs:
+            self._refs[target.weights_of] = await self._weights_of_version(target.weights_of)
+        undone = self.history.current
+        undone.watch = (
+            undone.watch if undone.watch.startswith("rolled") else f"rolled back: {reason}"
+        )
+        v = self.history.add_rollback(target, reason)
+        self._forget_unused_weights()
+        self.outcomes["rolled_back"] += 1
+        self._event("rolled_back", undone.domain or "", reason)
+        logger.warning(
+            "draft version %d rolled back (version %d serves version %d's weights): %s",
+            undone.version,
+            v.version,
+            target.weights_of,
+            reason,
+        )
+        return v.version
+
+    async def _weights_of_version(self, version: int):
+        if version != 0:
+            raise ValueError(f"the weights of version {version} are no longer kept")
+        if self.source is None:
+            raise RuntimeError("this application serves no draft model")
+        return await ray.remote(_source_weights_task).options(num_cpus=0).remote(self.source)
+
+    def _forget_unused_weights(self) -> None:
+        keep = self.history.weights_in_use()
+        for version in [v for v in self._refs if v not in keep]:
+            del self._refs[version]
+
+    async def export(self, version: int, directory: str) -> list[str]:
+        """Write ``version`` as a Hugging Face directory (``directory`` must be new or
+        empty), on the node this deployment runs on, to deploy for good; returns the
+        files written."""
+        if self.source is None:
+            raise RuntimeError("this application serves no draft model")
+        weights_of = self.history.get(version).weights_of
+        ref = self._refs.get(weights_of) if weights_of else None
+        if weights_of and ref is None:
+            raise ValueError(f"the weights of version {version} are no longer kept")
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        task = ray.remote(_export_task).options(num_cpus=1, scheduling_strategy=here)
+        return await task.remote(self.source, ref, directory)
+
+    async def set_enabled(self, enabled: bool) -> bool:
+        """Turn runs (on drift and on demand) off or on at run time; a run in flight when
+        turned off is not deployed. Returns the previous setting."""
+        before, self.enabled = self.enabled, bool(enabled)
+        logger.info("adaptation %s", "enabled" if self.enabled else "turned off")
+        return before
 
     async def status(self) -> dict[str, Any]:
         return {
+            "enabled": self.enabled,
             "version": self.version,
             "running": self._run is not None and not self._run.done(),
             "outcomes": dict(self.outcomes),
@@ -124,9 +246,9 @@ class AdaptationDeployment:
 
     async def on_drift(self, domain: str) -> bool:
         """A replica saw the drift alert fire for ``domain``: start a run unless one is
-        running, runs on drift are off, or the domain has too few requests. Returns
-        whether a run started."""
-        if not self.config.trainer.on_drift or (self._run is not None and not self._run.done()):
+        running, adaptation or runs on drift are off, or the domain has too few
+        requests. Returns whether a run started."""
+        if not (self.enabled and self.config.trainer.on_drift) or self._running():
             return False
         # Every replica reports the same alert: one run per domain per cooldown.
         cooldown = max(60.0, self.config.trainer.max_seconds)
@@ -138,36 +260,135 @@ class AdaptationDeployment:
         self._run = asyncio.get_running_loop().create_task(self.adapt(domain))
         return True
 
+    def _running(self) -> bool:
+        return self._run is not None and not self._run.done()
+
     async def adapt(self, domain: str) -> dict[str, Any]:
         """Train, validate and (if it is better) deploy a draft for ``domain`` now;
         returns the run's summary (verdict, scores before and after, training)."""
         if self.source is None:
             raise RuntimeError("this application serves no draft model: nothing to adapt")
+        if not self.enabled:
+            raise RuntimeError("adaptation is turned off (set_enabled(True) turns it on)")
         domains = {d: self.buffer.records(d) for d in self.buffer.summary()}
         if len(domains.get(domain, ())) < 2:
             raise ValueError(f"domain {domain!r} has fewer than 2 retained requests")
         cfg = self.config.trainer
         self.outcomes["started"] += 1
         self._started[domain] = time.monotonic()
+        self._event("started", domain, f"{len(domains[domain])} requests retained")
         task = ray.remote(_run_task).options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
-        current = self._weights_ref  # resolved by Ray into the state dict in the task
+        served = self.history.current
+        current = self._refs.get(served.weights_of)  # (resolved by Ray in the task)
         try:
             result = await task.remote(self.source, current, domain, domains, cfg, cfg.num_threads)
         except Exception as exc:
             self.outcomes["failed"] += 1
             self._note({"domain": domain, "outcome": "failed", "error": repr(exc)[:500]})
+            self._event("failed", domain, repr(exc)[:500])
             raise
-        summary = result.summary()
-        if result.verdict.deploy:
-            self._weights_ref = ray.put(result.weights)
-            self.version += 1
+        return self._conclude(result, served)
+
+    def _conclude(self, result, served: DraftVersion) -> dict[str, Any]:
+        """A run's verdict: deploy (and watch) or reject, noted and reported."""
+        summary, verdict, domain = result.summary(), result.verdict, result.domain
+        deploy = verdict.deploy and self.enabled and self.history.current is served
+        if verdict.deploy and not deploy:  # turned off, or another version came meanwhile
+            why = "adaptation was turned off" if not self.enabled else "a newer version serves"
+            summary["verdict"]["reason"] = f"{verdict.reason}; not deployed: {why}"
+        if deploy:
+            before, after = result.before.get(domain), result.after.get(domain)
+            v = self.history.add_trained(domain, verdict.reason, before, after)
+            self._refs[v.version] = ray.put(result.weights)
+            self._forget_unused_weights()
             self.outcomes["deployed"] += 1
-            summary["version"] = self.version
+            summary["version"] = v.version
+            if self.config.rollback.enabled and self.monitor is not None:
+                v.watch = "watching"
+                self._spawn(self._watch(v, served.version))
         else:
             self.outcomes["rejected"] += 1
-        summary["outcome"] = "deployed" if result.verdict.deploy else "rejected"
+        summary["outcome"] = "deployed" if deploy else "rejected"
         self._note(summary)
+        tokens, seconds = result.train.get("tokens", 0), result.seconds
+        self._event(
+            summary["outcome"],
+            domain,
+            summary["verdict"]["reason"],
+            gain=verdict.gain,
+            tokens=tokens,
+            seconds=seconds,
+        )
         return summary
+
+    async def _watch(self, version: DraftVersion, previous: int) -> None:
+        """Judge ``version`` on its live rounds of its domain against ``previous`` (see
+        :mod:`adaptation.swap_check`); roll it back by itself if it falls short."""
+        cfg = self.config.rollback
+        deadline = time.monotonic() + cfg.max_wait_s
+        while self.history.current is version:
+            await asyncio.sleep(self.config.poll_interval_s)
+            try:
+                counts = await asyncio.wait_for(
+                    self.monitor.acceptance.remote(version.domain, cfg.window_rounds),
+                    MONITOR_CALL_TIMEOUT_S,
+                )
+            except Exception as exc:  # the monitor restarting, say: next time
+                logger.warning("swap watch: no counts from the monitor: %r", exc)
+                continue
+            if self.history.current is not version:
+                return  # a newer version (or a rollback) came meanwhile
+            decision = check_swap(
+                Counts(*counts.get(previous, (0, 0, 0))),
+                Counts(*counts.get(version.version, (0, 0, 0))),
+                version.held_back_before,
+                window_rounds=cfg.window_rounds,
+                max_drop=cfg.max_drop,
+                min_before_rounds=cfg.min_before_rounds,
+                timed_out=time.monotonic() > deadline,
+            )
+            if decision.decision == "wait":
+                continue
+            if decision.decision == "roll_back":
+                version.watch = f"rolled back: {decision.reason}"
+                await self.rollback(
+                    previous, reason=f"version {version.version}: {decision.reason}"
+                )
+            else:
+                version.watch = decision.reason
+                self.outcomes["kept"] += 1
+                self._event("kept", version.domain or "", decision.reason)
+            return
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _event(self, outcome: str, domain: str, reason: str, *, gain=None, tokens=0, seconds=0.0):
+        """An outcome to the monitor (metrics and a log record), off the caller's path."""
+        if self.monitor is None:
+            return
+        record = {
+            "model": self.model,
+            "outcome": outcome,
+            "domain": domain,
+            "version": self.version,
+            "reason": reason,
+            "gain": gain,
+            "training_tokens": int(tokens),
+            "training_s": float(seconds),
+        }
+
+        async def send() -> None:
+            try:
+                await asyncio.wait_for(
+                    self.monitor.adaptation_event.remote(record), MONITOR_CALL_TIMEOUT_S
+                )
+            except Exception as exc:
+                logger.warning("adaptation event %s not reported: %r", outcome, exc)
+
+        self._spawn(send())
 
     def _note(self, summary: dict[str, Any]) -> None:
         logger.info("adaptation run: %s", summary)

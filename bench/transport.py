@@ -106,7 +106,9 @@ def main() -> None:
         payload = {
             "old": (0, [_old_item(f"req-{i}", d) for i, d in enumerate(drafts)]),
             "new": encode(
-                DraftPush(0, pushed_drafts([(f"req-{i}", (), d) for i, d in enumerate(drafts)]))
+                DraftPush(
+                    0, pushed_drafts([(f"req-{i}", (), d) for i, d in enumerate(drafts)], version=0)
+                )
             ),
         }
         row = {}

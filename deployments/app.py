@@ -273,7 +273,7 @@ def build_specserve_app(*, config: AppConfig, name: str = "SpecServe") -> Applic
                 "trust_remote_code": draft.trust_remote_code,
             }
         adaptation = AdaptationDeployment.options(name=f"{name}Adaptation").bind(
-            config.adaptation.model_dump(), source
+            config.adaptation.model_dump(), source, monitor, config.engine.model_name
         )
     return SpecServeDeployment.options(**options).bind(config.model_dump(), monitor, adaptation)
 

@@ -198,6 +198,7 @@ class PushedDraft(msgspec.Struct, frozen=True, array_like=True):
     token_ids: list[int] | None = None  # [k']: the drafts (k' <= k: a confidence stop)
     q: CompactQ | None = None  # sampled rows: the 16-bit distribution each was drawn from
     speculative: bool = False  # prepared ahead, while the previous round was verified
+    draft_version: int = 0  # the draft weights' version that made them (0: as deployed)
 
 
 class DraftPush(msgspec.Struct, frozen=True, array_like=True):

@@ -21,7 +21,13 @@ from ray import serve
 from monitoring.alertmanager import AlertmanagerPush
 from monitoring.config import MonitoringConfig
 from monitoring.monitor import Monitor, build_providers
-from monitoring.records import AlertCursor, ReportReply, RequestRecord, RoundBatch
+from monitoring.records import (
+    AdaptationRecord,
+    AlertCursor,
+    ReportReply,
+    RequestRecord,
+    RoundBatch,
+)
 
 logger = logging.getLogger("specserve.monitor")
 
@@ -84,6 +90,18 @@ class MonitorDeployment:
         self.monitor.new_draft_deployed()
         logger.info("new draft (version %s): every domain's baseline is learnt anew", version)
         return True
+
+    async def acceptance(
+        self, domain: str, last_rounds: int | None = None
+    ) -> dict[int, tuple[int, int, int]]:
+        """``{draft version: (rounds, accepted, rejections)}`` of ``domain``'s newest
+        drafted rounds (``last_rounds`` per version at least, where seen): what the
+        adaptation deployment judges a swapped draft by."""
+        return self.monitor.versions.counts(domain, last_rounds)
+
+    async def adaptation_event(self, record: dict[str, Any]) -> None:
+        """An adaptation outcome (AdaptationRecord fields): metrics and a log record."""
+        self.monitor.report_adaptation(AdaptationRecord(**record))
 
     async def status(self) -> dict[str, Any]:
         """Drift state per domain and alert history (for tests, dashboards and operators)."""

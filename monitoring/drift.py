@@ -242,6 +242,7 @@ class DriftMonitor:
         self._s_rev = np.zeros(n)  # reverse CUSUM, nats (runs only while firing)
         self._run = np.zeros((n, 3))  # [slot, (rounds, accepted, rejections)] since S left 0
         self._rev_run = np.zeros((n, 3))  # the same for the reverse CUSUM
+        self._relearn = np.zeros(n, bool)  # firing at a draft swap: new baseline on resolve
 
     # -- domains ---------------------------------------------------------------------
 
@@ -338,6 +339,8 @@ class DriftMonitor:
                 events.append(self._event("resolve", slot, self._rev_run[slot]))
                 self._state[slot] = _RESOLVED
                 self._s[slot], self._run[slot] = 0.0, 0.0
+                if self._relearn[slot]:  # back, on a draft the baseline was not learnt on
+                    self._reset([slot])
         return events
 
     def _slots(self, domains: str | Sequence[str | None] | None, count: int) -> np.ndarray:
@@ -417,6 +420,16 @@ class DriftMonitor:
         """A new draft was deployed: every baseline is stale, all domains warm up again."""
         self._reset(slice(None))
 
+    def new_draft(self) -> None:
+        """New draft weights serve (an adapted version): domains not firing learn their
+        baseline again on it; a firing domain stays firing until its acceptance is back
+        (the reverse test against the baseline it fell from: the alert resolves when the
+        new draft won the acceptance back, not because a draft was swapped), then learns
+        its baseline on the new draft."""
+        firing = self._state == _FIRING
+        self._reset(~firing)
+        self._relearn |= firing
+
     def _reset(self, slots) -> None:
         self._state[slots] = _WARMING
         self._warm[slots] = 0.0
@@ -424,6 +437,7 @@ class DriftMonitor:
         self._run[slots], self._rev_run[slots] = 0.0, 0.0
         self._alpha0[slots], self._alpha1[slots] = 0.0, 0.0
         self._below[slots] = False
+        self._relearn[slots] = False
 
     # -- reading -----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from opentelemetry.metrics import Meter
 
-from monitoring.records import RequestRecord, RoundBatch, RoundRecord
+from monitoring.records import AdaptationRecord, RequestRecord, RoundBatch, RoundRecord
 
 __all__ = ["RequestRecord", "RoundBatch", "RoundRecord", "SpecServeMetrics"]
 
@@ -119,6 +119,28 @@ class SpecServeMetrics:
             description="Time per output token after the first.",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
         )
+        self.draft_version = g(
+            "specserve.draft_version",
+            description="The adapted draft version a replica serves (0: as deployed).",
+        )
+        self.adaptation_runs = c(
+            "specserve.adaptation.runs",
+            description="Adaptation outcomes by outcome: started, deployed, rejected, failed, "
+            "rolled_back (a deployed version taken back), kept (one that passed its watch).",
+        )
+        self.validation_gain = g(
+            "specserve.adaptation.validation_gain",
+            description="The last run's held-back agreement gain on its domain.",
+        )
+        self.training_tokens = c(
+            "specserve.adaptation.training_tokens",
+            description="Output tokens adaptation runs trained on (with repeats).",
+        )
+        self.training_time = c(
+            "specserve.adaptation.training_time",
+            unit="s",
+            description="Wall seconds adaptation runs took (training and validation).",
+        )
         self.duration = h(
             "gen_ai.server.request.duration",
             unit="s",
@@ -128,6 +150,7 @@ class SpecServeMetrics:
 
     def record_rounds(self, batch: RoundBatch) -> None:
         base = {"model": batch.model, "replica": batch.replica}
+        self.draft_version.set(batch.draft_version, base)
         for r in batch.rounds:
             if r.drafted <= 0:
                 continue
@@ -188,3 +211,13 @@ class SpecServeMetrics:
         self.drift.set(int(firing), attrs)
         if baseline is not None:
             self.baseline.set(baseline, attrs)
+
+    def record_adaptation(self, rec: AdaptationRecord) -> None:
+        attrs = {"model": rec.model, "domain": rec.domain}
+        self.adaptation_runs.add(1, {**attrs, "outcome": rec.outcome})
+        if rec.gain is not None:
+            self.validation_gain.set(rec.gain, attrs)
+        if rec.training_tokens:
+            self.training_tokens.add(rec.training_tokens, attrs)
+        if rec.training_s:
+            self.training_time.add(rec.training_s, attrs)

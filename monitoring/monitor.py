@@ -26,17 +26,20 @@ from opentelemetry.sdk.metrics import MeterProvider
 from monitoring.drift import DriftConfig, DriftEvent, DriftMonitor
 from monitoring.metrics import SpecServeMetrics
 from monitoring.records import (
+    AdaptationRecord,
     AlertCursor,
     AlertRecord,
     ReportReply,
     RequestRecord,
     RoundBatch,
 )
+from monitoring.version_acceptance import VersionAcceptance
 from specdec.speedup import break_even_alpha
 
 logger = logging.getLogger("specserve.monitor")
 
 DRIFT_EVENT = "specserve.acceptance_drift"
+ADAPTATION_EVENT = "specserve.adaptation"
 SCOPE = "specserve.monitor"
 
 
@@ -54,6 +57,11 @@ class Monitor:
         self.metrics = SpecServeMetrics(meter_provider.get_meter(SCOPE))
         self.otel_logger = logger_provider.get_logger(SCOPE)
         self.detector = DriftMonitor(drift)
+        cfg = self.detector.config
+        # α̂ per (domain, draft version): what a swapped draft is judged by
+        self.versions = VersionAcceptance(
+            max_domains=cfg.max_domains, overflow_domain=cfg.overflow_domain
+        )
         self.on_drift = on_drift  # e.g. a direct push to Alertmanager
         self.events: list[DriftEvent] = []  # alert changes, newest last (the last MAX_EVENTS)
         self._events_before = 0  # alert changes dropped from the front of ``events``
@@ -79,6 +87,12 @@ class Monitor:
         rounds = [r for r in batch.rounds if r.drafted > 0]
         if not rounds:
             return []
+        self.versions.observe(
+            [r.domain for r in rounds],
+            [r.draft_version for r in rounds],
+            [r.drafted for r in rounds],
+            [r.accepted for r in rounds],
+        )
         events = self.detector.observe(
             [r.domain for r in rounds], [r.drafted for r in rounds], [r.accepted for r in rounds]
         )
@@ -154,15 +168,32 @@ class Monitor:
         if self.on_drift is not None:
             self.on_drift(event, model)
 
+    def report_adaptation(self, record: AdaptationRecord) -> None:
+        """An adaptation outcome: its metrics, and a log record (WARN for a rollback or a
+        failure, INFO otherwise)."""
+        self.metrics.record_adaptation(record)
+        attrs = {f"specserve.{k}": v for k, v in asdict(record).items() if v is not None}
+        attrs["model"] = record.model
+        bad = record.outcome in ("rolled_back", "failed")
+        self.otel_logger.emit(
+            event_name=ADAPTATION_EVENT,
+            severity_number=SeverityNumber.WARN if bad else SeverityNumber.INFO,
+            severity_text="WARN" if bad else "INFO",
+            body=f"draft adaptation {record.outcome} for domain {record.domain!r} "
+            f"(version {record.version}): {record.reason}",
+            attributes=attrs,
+        )
+        (logger.warning if bad else logger.info)("%s %s", ADAPTATION_EVENT, attrs)
+
     def acknowledge(self, domain: str) -> None:
         """An operator accepts the new level: the domain learns a new baseline."""
         self.detector.acknowledge(domain)
         self._firing.pop(domain, None)  # (no resolve follows: new replicas must not hear it)
 
     def new_draft_deployed(self) -> None:
-        """A new draft changes every domain's acceptance: learn all baselines again."""
-        self.detector.rebaseline_all()
-        self._firing.clear()
+        """A new draft changes every domain's acceptance: baselines are learnt again,
+        a firing domain's once its alert resolved (:meth:`DriftMonitor.new_draft`)."""
+        self.detector.new_draft()
 
     def shutdown(self) -> None:
         self.meter_provider.shutdown()

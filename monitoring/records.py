@@ -29,6 +29,7 @@ class RoundRecord:
     drafted: int  # draft tokens verified
     accepted: int  # of them accepted (a rejection happened iff accepted < drafted)
     cache_hit: bool = False  # the drafts were prepared while the previous round verified
+    draft_version: int = 0  # the draft weights' version that drafted them (0: as deployed)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class RoundBatch:
     # domain -> {"k", "alpha", "round_time_ratio": {k: T(k) / T(0)}}
     policy: dict[str, dict] = field(default_factory=dict)
     dropped: int = 0  # sequence-rounds the replica's buffer dropped since the last flush
+    draft_version: int = 0  # the adapted draft version the replica serves (0: as deployed)
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,17 @@ class ReportReply:
 
     alerts: list[AlertRecord]
     cursor: AlertCursor  # send it back with the next flush
+
+
+@dataclass(frozen=True)
+class AdaptationRecord:
+    """One adaptation outcome, from the adaptation deployment (for metrics and the log)."""
+
+    model: str
+    outcome: str  # "started" | "deployed" | "rejected" | "failed" | "rolled_back" | "kept"
+    domain: str
+    version: int  # the version served after it (unchanged for started/rejected/failed)
+    reason: str = ""
+    gain: float | None = None  # validation: agreement gained on the domain
+    training_tokens: int = 0  # output tokens trained on [tokens]
+    training_s: float = 0.0  # wall seconds of the run [s]

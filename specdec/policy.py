@@ -371,6 +371,15 @@ class SpeculationLength:
         d.accepted, d.rejections = current_alpha * w, (1.0 - current_alpha) * w
         d.probe_until = 0
 
+    def new_draft(self) -> None:
+        """New draft weights serve: every domain's acceptance is unknown again (each
+        drafts at ``default_k`` until its α̂ is measured anew, so a domain the old draft
+        lost speculation on gets it back where the new one pays), and the gate measures
+        drafting's goodput afresh. Round costs stay: the draft's shape did not change."""
+        self._domains.clear()
+        if self.gate is not None:
+            self.gate.new_draft()
+
     def alpha(self, domain: str) -> float | None:
         d = self._domains.get(domain)
         return d.alpha() if d is not None and d.tokens >= self.min_tokens else None

@@ -110,6 +110,13 @@ class SpeculationGate:
             g.best, g.next_compare = best, g.planned + g.every
         return best
 
+    def new_draft(self) -> None:
+        """New draft weights: what drafting rounds measured is stale in every bucket
+        (the rounds without drafts still are what they were); drafting is measured first."""
+        for g in self._gates.values():
+            g.forget(True)
+            g.trial, g.trial_left, g.best = None, 0, None
+
     def favours_off(self, bucket: int) -> bool:
         """Whether the bucket's figures say drafting loses (while one is being measured
         afresh: what they said before): the length policy then skips re-measuring its

@@ -98,6 +98,7 @@ class RowOutcome:
             self.cache_hit,
             self.committed,
             self.asked_planned,
+            self.draft_version,
         )
 
     domain: str  # the traffic domain (policy and telemetry key)
@@ -106,6 +107,7 @@ class RowOutcome:
     cache_hit: bool  # its drafts were prepared ahead of the round
     committed: int  # tokens the round appended to the row's output (after stops) [tokens]
     asked_planned: bool  # it asked for the round's planned k (its cost says something of it)
+    draft_version: int = 0  # the draft weights' version that drafted it (0: as deployed)
 
 
 @dataclass(slots=True)

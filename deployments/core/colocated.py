@@ -74,7 +74,8 @@ class ColocatedDraftLink(DraftLink):
                 guesses[sid] = guess
         lost: list[PushedDraft] = []
         proposed = self.rounds.propose(ids, ks, lost)
-        pushes = pushed_drafts([(sid, guesses[sid], d) for sid, d in proposed], on_device=True)
+        rows = [(sid, guesses[sid], d) for sid, d in proposed]
+        pushes = pushed_drafts(rows, version=self.rounds.version, on_device=True)
         for push in pushes:
             out.found[push.seq_id] = push
         self._take_lost(lost)

@@ -362,12 +362,12 @@ class EngineCore:
                     if self._stopped:
                         return
                     if self.draft_weights.waiting:
-                        self.draft_weights.take(self.link.rounds.drafter.load_weights)
+                        self.draft_weights.take(self.link.rounds.load_weights)
                         continue
                     self._last_round_end = None  # idle time is no round's
                     self._cv.wait()
                 if self.draft_weights.waiting:
-                    self.draft_weights.take(self.link.rounds.drafter.load_weights)
+                    self.draft_weights.take(self.link.rounds.load_weights)
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, set()
                 sched.has_draft = self.link.has_draft
@@ -671,7 +671,10 @@ class EngineCore:
         drafted = len(row.draft_token_ids)
         hit = draft is not None and draft.speculative
         asked_planned = bool(stats.planned_k) and k_asked == stats.planned_k
-        stats.rows.append(RowOutcome(seq.domain, drafted, accepted, hit, kept, asked_planned))
+        version = draft.draft_version if draft is not None else 0
+        stats.rows.append(
+            RowOutcome(seq.domain, drafted, accepted, hit, kept, asked_planned, version)
+        )
         if drafted:
             seq.counts.observe(drafted, accepted, hit)
 

@@ -60,6 +60,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.draft_max_model_len = draft_max_model_len
         self.policy = policy
+        self.draft_version = 0  # the newest draft weights' version seen in a round
         self.waiting: list[EngineCoreRequest] = []  # in arrival order
         self.running: dict[Hashable, RunningSeq] = {}
         self.has_draft = False  # a draft is connected (no draft: every k is 0)
@@ -196,8 +197,13 @@ class Scheduler:
         nothing of it)."""
         if self.policy is None:
             return
+        newest = max((row.draft_version for row in stats.drafted_rows), default=0)
+        if newest > self.draft_version:  # new draft weights: acceptance is to learn again
+            self.draft_version = newest
+            self.policy.new_draft()
         for row in stats.drafted_rows:
-            self.policy.observe_round(row.domain, row.drafted, row.accepted)
+            if row.draft_version == self.draft_version:  # (drafts of the old weights: stale)
+                self.policy.observe_round(row.domain, row.drafted, row.accepted)
         if not stats.resuming:
             at_planned = [
                 (row.domain, row.drafted, row.accepted) for row in stats.rows if row.asked_planned

@@ -88,6 +88,7 @@ class EngineClient:
                 current_core=lambda: self.target,
                 timeout_s=config.faults.call_timeout_s,
                 interval_s=flush_interval_s,
+                draft_version=lambda: self._draft_weights[0] if self._draft_weights else 0,
             )
         )
         self.target = None  # the EngineCore actor (target model + round loop)

@@ -44,8 +44,10 @@ class TelemetryLink:
         current_core: Callable[[], Any],
         timeout_s: float,
         interval_s: float = 1.0,
+        draft_version: Callable[[], int] = lambda: 0,
     ):
         self.sink, self.model, self.replica = sink, model, replica
+        self.draft_version = draft_version  # the adapted draft version served now
         self.current_core, self.timeout_s, self.interval_s = current_core, timeout_s, interval_s
         self.records: list[RequestRecord] = []
         # Drift alerts seen so far; None until the monitor answers.
@@ -132,7 +134,8 @@ class TelemetryLink:
             model=self.model,
             replica=self.replica,
             rounds=[
-                RoundRecord(r.domain, r.drafted, r.accepted, r.cache_hit) for r in drained.rounds
+                RoundRecord(r.domain, r.drafted, r.accepted, r.cache_hit, r.draft_version)
+                for r in drained.rounds
             ],
             verify_s=drained.verify_s,
             draft_wait_s=drained.draft_wait_s,
@@ -144,4 +147,5 @@ class TelemetryLink:
             kv_cache_token_usage=drained.kv_cache_token_usage,
             policy=drained.policy,
             dropped=drained.dropped,
+            draft_version=self.draft_version(),
         )

@@ -210,11 +210,11 @@ class DraftWorker:
                 with self._cv:
                     while not self._has_next():
                         if self.weights.waiting:
-                            self.weights.take(self.drafter.load_weights)
+                            self.weights.take(self.rounds.load_weights)
                             continue
                         self._cv.wait()
                     if self.weights.waiting:
-                        self.weights.take(self.drafter.load_weights)
+                        self.weights.take(self.rounds.load_weights)
                     msg = self._inbox.pop(self._next_no)
                     self._next_no += 1
                     core = self._core
@@ -264,7 +264,8 @@ class DraftWorker:
                 (sid, guesses[sid], d)
                 for sid, d in proposed
                 if self._reply_in_step or not d.speculative
-            ]
+            ],
+            version=self.rounds.version,
         )
         if self._speculated:  # rounds nobody prepared branches for say nothing of hits
             hits = sum(d.speculative for _, d in proposed)
@@ -288,5 +289,6 @@ class DraftWorker:
         if branches:
             self.speculated += len(branches)
             if not self._reply_in_step:  # else they wait here for the next message
-                drafts = pushed_drafts([(br.seq_id, br.guess, br.drafts) for br in branches])
+                rows = [(br.seq_id, br.guess, br.drafts) for br in branches]
+                drafts = pushed_drafts(rows, version=self.rounds.version)
                 core.push_drafts.remote(encode(DraftPush(round_for, drafts)))

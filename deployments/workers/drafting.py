@@ -24,14 +24,16 @@ logger = logging.getLogger("specserve.drafting")
 
 
 def pushed_drafts(
-    rows: list[tuple[Hashable, tuple, Drafts]], *, on_device: bool = False
+    rows: list[tuple[Hashable, tuple, Drafts]], *, version: int, on_device: bool = False
 ) -> list[PushedDraft]:
     """Each ``(seq_id, guess, drafts)`` row's drafts for the core, keyed by the outcome
     they continue.
 
     Tokens, not vocabularies: a greedy row carries its ids; a sampled row its q in 16 bits,
     over its support when top-k/top-p truncated it (:class:`specdec.qcodec.CompactQ`), all
-    rows' q read from the device together (:func:`specdec.qcodec.encode_batch`). With
+    rows' q read from the device together (:func:`specdec.qcodec.encode_batch`), each
+    stamped with the weights ``version`` that drafted it (the monitor's acceptance per
+    version, the core's cue to re-measure its policy). With
     ``on_device`` (a draft in the core's own process) q stays where it is
     (:class:`specdec.qcodec.DeviceQ`): nothing travels, so nothing is read."""
     sampled = [d.probs for _, _, d in rows if d.probs is not None]
@@ -47,6 +49,7 @@ def pushed_drafts(
             d.tokens,
             None if d.probs is None else next(qs),
             d.speculative,
+            version,
         )
         for sid, guess, d in rows
     ]
@@ -58,6 +61,12 @@ class DraftRounds:
     def __init__(self, drafter: SpeculativeDrafter):
         self.drafter = drafter
         self.failed_sequences = 0  # given up on (decoded target-only since)
+        self.version = 0  # of the draft weights drafting now (0: as deployed)
+
+    def load_weights(self, version: int, weights: dict) -> None:
+        """New draft weights, between messages or rounds (see :class:`WeightsHandoff`)."""
+        self.drafter.load_weights(weights)
+        self.version = version
 
     def apply(
         self, first: bool, items: list[DraftItem], freed: list[Hashable]
@@ -173,12 +182,12 @@ class WeightsHandoff:
             raise ValueError(self._error)
         return self.version
 
-    def take(self, load: Callable[[dict], None]) -> None:
-        """The loop's side, between messages or rounds: ``load`` the waiting weights."""
+    def take(self, load: Callable[[int, dict], None]) -> None:
+        """The loop's side, between messages or rounds: ``load(version, weights)``."""
         version, weights = self._pending
         self._pending = None
         try:
-            load(weights)
+            load(version, weights)
             self.version = version
             logger.info("%s draft weights version %d loaded", self._what, version)
         except Exception as exc:  # refused (checked and converted before any copy): the

@@ -254,3 +254,41 @@ def test_threshold_and_the_martingale_behind_the_arl_bound():
     llr = a * l_acc + (a < K) * l_rej
     assert p0.sum() == pytest.approx(1.0)
     assert (p0 * np.exp(llr)).sum() == pytest.approx(1.0)
+
+
+def test_a_new_draft_keeps_a_firing_alert_until_acceptance_is_back_then_relearns():
+    """After a swap the drifted domain's alert resolves only when acceptance returns (not
+    because a draft changed), and the domain then learns its baseline on the new draft;
+    domains not firing warm up again at once. Its twin: acceptance that stays low keeps
+    the alert firing through the swap."""
+    names = ["drifted", "calm"]
+    cfg = DriftConfig(max_domains=2, warmup_tokens=2000)
+    rng = np.random.default_rng(11)
+
+    def run(mon, schedule):
+        events = []
+        for alphas, rounds in schedule:
+            for _ in range(rounds):
+                d0, a0 = censored_rounds(rng, alphas[0], 1)
+                d1, a1 = censored_rounds(rng, alphas[1], 1)
+                events += mon.observe(names, np.r_[d0, d1], np.r_[a0, a1])
+        return events
+
+    before = [((0.75, 0.75), 900), ((0.2, 0.75), 150)]
+    for recovered, expect_back in ((0.75, True), (0.2, False)):
+        mon = DriftMonitor(cfg)
+        run(mon, before)
+        assert mon.status("drifted").state is DriftState.FIRING
+        assert mon.status("calm").state is DriftState.IN_CONTROL
+        mon.new_draft()
+        assert mon.status("drifted").state is DriftState.FIRING  # not silently cleared
+        assert mon.status("calm").state is DriftState.WARMING_UP
+        events = run(mon, [((recovered, 0.75), 400)])
+        resolved = [e for e in events if e.domain == "drifted" and e.kind == "resolve"]
+        if expect_back:
+            assert len(resolved) == 1 and resolved[0].current > 0.6
+            assert mon.status("drifted").state is DriftState.WARMING_UP  # relearns
+            run(mon, [((recovered, 0.75), 1500)])
+            assert mon.status("drifted").baseline == pytest.approx(recovered, abs=0.05)
+        else:
+            assert not resolved and mon.status("drifted").state is DriftState.FIRING

@@ -12,8 +12,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from monitoring.drift import DriftConfig, DriftState
-from monitoring.monitor import DRIFT_EVENT, Monitor, build_providers
+from monitoring.monitor import ADAPTATION_EVENT, DRIFT_EVENT, Monitor, build_providers
 from monitoring.records import (
+    AdaptationRecord,
     AlertCursor,
     AlertRecord,
     ReportReply,
@@ -291,3 +292,44 @@ def test_an_acknowledged_alert_is_not_sent_to_new_replicas(monitor):
     assert [a.domain for a in mon.alerts_since(None).alerts] == ["python"]
     mon.acknowledge("python")
     assert mon.alerts_since(None).alerts == []
+
+
+def test_draft_versions_and_adaptation_outcomes_are_metrics_and_log_records(monitor):
+    """Each replica's served version is a gauge; rounds are counted per (domain, version)
+    for the swap check; each adaptation outcome is counted, with a log record (WARN for a
+    rollback)."""
+    mon, reader, logs = monitor
+    rng = np.random.default_rng(3)
+    old = rounds(rng, "prose", 0.2, 50)
+    new = [
+        RoundRecord(r.domain, r.drafted, r.accepted, draft_version=1)
+        for r in rounds(rng, "prose", 0.8, 50)
+    ]
+    mon.report(batch(old + new, draft_version=1))
+    mon.report(RoundBatch(model="demo-target", replica="r2", rounds=[]))  # not swapped yet
+    versions = points(reader, "specserve.draft_version")
+    assert versions == {
+        frozenset({"model": "demo-target", "replica": "r1"}.items()): 1,
+        frozenset({"model": "demo-target", "replica": "r2"}.items()): 0,
+    }
+    counts = mon.versions.counts("prose")
+    assert counts[0][0] == counts[1][0] == 50
+    alpha = {v: a / (a + r) for v, (_, a, r) in counts.items()}
+    assert alpha[0] < 0.35 < 0.65 < alpha[1]
+
+    mon.report_adaptation(AdaptationRecord("demo-target", "started", "prose", 0))
+    mon.report_adaptation(
+        AdaptationRecord("demo-target", "deployed", "prose", 1, "gained", 0.6, 5000, 12.5)
+    )
+    mon.report_adaptation(AdaptationRecord("demo-target", "rolled_back", "prose", 2, "fell"))
+    runs = points(reader, "specserve.adaptation.runs")
+    by_outcome = {dict(k)["outcome"]: v for k, v in runs.items()}
+    assert by_outcome == {"started": 1, "deployed": 1, "rolled_back": 1}
+    assert list(points(reader, "specserve.adaptation.validation_gain").values()) == [0.6]
+    assert list(points(reader, "specserve.adaptation.training_tokens").values()) == [5000]
+    assert list(points(reader, "specserve.adaptation.training_time").values()) == [12.5]
+    records = [r.log_record for r in logs.get_finished_logs()]
+    assert [r.event_name for r in records] == [ADAPTATION_EVENT] * 3
+    assert [r.severity_number for r in records][-1] == SeverityNumber.WARN
+    assert records[1].attributes["specserve.outcome"] == "deployed"
+    assert records[1].attributes["specserve.version"] == 1

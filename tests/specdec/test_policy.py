@@ -406,3 +406,37 @@ def test_a_remeasurement_replaces_a_cold_start_estimate():
     # 78 here; 137 (two intervals) when a re-measurement only nudges the old estimate
     assert first_speculation is not None and first_speculation < 100, first_speculation
     assert policy.predicted_k("d", 1) == 4 and policy.round_time(1, 4) == pytest.approx(1.4)
+
+
+def test_a_new_draft_brings_speculation_back_where_it_now_pays():
+    """A domain the old draft lost speculation on (α̂ 0.05: k = 0, probes at probe_k
+    only) drafts at default_k at once after new_draft(), and keeps a k > 0 when the new
+    draft's acceptance is high. Its twin: without new_draft() the policy stays at k = 0
+    or probes, whatever the new draft could do, until the probes' news accumulates."""
+    cost = lambda b, k: 1.0 + 0.05 * (k + 1) + 0.15 * k  # noqa: E731
+
+    def disabled():
+        policy = SpeculationLength(
+            LengthPolicyConfig(max_k=6, default_k=3, probe_every=100, probe_rounds=5)
+        )
+        _costs(policy, 1, cost)
+        _feed(policy, "d", 0.05, 500)
+        policy.plan_round(1)
+        assert policy.choose("d", 1) == 0
+        return policy
+
+    policy = disabled()
+    policy.new_draft()
+    assert policy.alpha("d") is None
+    policy.plan_round(1)
+    assert policy.choose("d", 1) == 3  # default_k until measured
+    _feed(policy, "d", 0.9, 200)
+    policy.plan_round(1)
+    assert policy.choose("d", 1) >= 3
+
+    twin = disabled()
+    ks = []
+    for _ in range(20):
+        twin.plan_round(1)
+        ks.append(twin.choose("d", 1))
+    assert max(ks) <= twin.probe_k and twin.alpha("d") < 0.1

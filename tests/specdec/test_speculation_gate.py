@@ -106,3 +106,17 @@ def test_a_closed_gate_leaves_requested_and_forced_lengths_alone():
     assert policy.choose("d", 8) == 0
     assert policy.choose("d", 8, requested=3) == 3
     assert policy.choose("d", 8, forced=4) == 4
+
+
+def test_a_new_draft_has_drafting_measured_afresh():
+    """A gate closed by the old draft's poor goodput opens to measure the new draft's;
+    without new_draft() (the twin) it stays closed but for its rare trials."""
+    gate, twin = SpeculationGate(), SpeculationGate()
+    for g in (gate, twin):
+        gate_rounds(g, 1, 300, rate_on=100.0, rate_off=160.0)
+        assert not g.is_open(1)
+    gate.new_draft()
+    after = gate_rounds(gate, 1, 300, rate_on=300.0, rate_off=160.0)
+    assert all(after[:4]) and sum(after[50:]) / len(after[50:]) > 0.9
+    stale = gate_rounds(twin, 1, 10, rate_on=300.0, rate_off=160.0)
+    assert not any(stale)
