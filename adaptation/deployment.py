@@ -45,7 +45,7 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from adaptation.candidate import DraftSource, load_draft, run
-from adaptation.config import AdaptationConfig
+from adaptation.config import AdaptationConfig, TrainerConfig
 from adaptation.retention import RetainedRequest, RetentionBuffer
 from adaptation.swap_check import Counts, check_swap
 from adaptation.versions import DraftVersion, VersionHistory
@@ -205,7 +205,9 @@ class AdaptationDeployment:
             raise ValueError(f"the weights of version {version} are no longer kept")
         if self.source is None:
             raise RuntimeError("this application serves no draft model")
-        return await ray.remote(_source_weights_task).options(num_cpus=0).remote(self.source)
+        ref = ray.remote(_source_weights_task).options(num_cpus=0).remote(self.source)
+        await ref  # (a failure is raised here, not in every replica)
+        return ref  # kept in the object store: replicas fetch it themselves
 
     def _forget_unused_weights(self) -> None:
         keep = self.history.weights_in_use()
@@ -263,9 +265,10 @@ class AdaptationDeployment:
     def _running(self) -> bool:
         return self._run is not None and not self._run.done()
 
-    async def adapt(self, domain: str) -> dict[str, Any]:
+    async def adapt(self, domain: str, trainer: dict[str, Any] | None = None) -> dict[str, Any]:
         """Train, validate and (if it is better) deploy a draft for ``domain`` now;
-        returns the run's summary (verdict, scores before and after, training)."""
+        returns the run's summary (verdict, scores before and after, training).
+        ``trainer``: settings of :class:`TrainerConfig` to change for this run only."""
         if self.source is None:
             raise RuntimeError("this application serves no draft model: nothing to adapt")
         if not self.enabled:
@@ -274,6 +277,8 @@ class AdaptationDeployment:
         if len(domains.get(domain, ())) < 2:
             raise ValueError(f"domain {domain!r} has fewer than 2 retained requests")
         cfg = self.config.trainer
+        if trainer:  # validated as a whole: a bad field is refused before anything runs
+            cfg = TrainerConfig.model_validate({**cfg.model_dump(), **trainer})
         self.outcomes["started"] += 1
         self._started[domain] = time.monotonic()
         self._event("started", domain, f"{len(domains[domain])} requests retained")
@@ -326,8 +331,12 @@ class AdaptationDeployment:
         :mod:`adaptation.swap_check`); roll it back by itself if it falls short."""
         cfg = self.config.rollback
         deadline = time.monotonic() + cfg.max_wait_s
-        while self.history.current is version:
+        while True:
             await asyncio.sleep(self.config.poll_interval_s)
+            if self.history.current is not version:  # a newer version, or a rollback
+                if version.watch == "watching":
+                    version.watch = f"superseded by version {self.history.current.version}"
+                return
             try:
                 counts = await asyncio.wait_for(
                     self.monitor.acceptance.remote(version.domain, cfg.window_rounds),
@@ -337,7 +346,7 @@ class AdaptationDeployment:
                 logger.warning("swap watch: no counts from the monitor: %r", exc)
                 continue
             if self.history.current is not version:
-                return  # a newer version (or a rollback) came meanwhile
+                continue  # a newer version (or a rollback) came meanwhile: said above
             decision = check_swap(
                 Counts(*counts.get(previous, (0, 0, 0))),
                 Counts(*counts.get(version.version, (0, 0, 0))),

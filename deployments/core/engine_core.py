@@ -126,6 +126,7 @@ class EngineCore:
         self._seq_ids: set[Hashable] = set()  # every request added and not yet ended
         # A colocated draft's new weights, for the loop to load between rounds.
         self.draft_weights = WeightsHandoff(self._cv, "colocated")
+        self._draft_version = 0  # the newest draft weights' version the core was told of
         self.link: DraftLink = (
             ActorDraftLink(config.transport, is_live=self._seq_ids.__contains__)
             if config.colocated_draft is None
@@ -222,6 +223,15 @@ class EngineCore:
             raise RuntimeError("the draft is an actor of its own: load its weights there")
         with self._cv:
             return self.draft_weights.offer(version, weights, timeout_s, lambda: self.error)
+
+    @ray.method(concurrency_group="control")
+    def note_draft_version(self, version: int) -> None:
+        """The draft actor now serves weights ``version``: the length policy learns
+        acceptance again from the next round (before any of its drafts come back: a
+        domain at k = 0 would never draft to tell it)."""
+        with self._cv:
+            self._draft_version = max(self._draft_version, version)
+            self._cv.notify_all()
 
     @ray.method(concurrency_group="control")
     def get_timings(self, reset: bool = False) -> dict[str, Any]:
@@ -368,9 +378,11 @@ class EngineCore:
                     self._cv.wait()
                 if self.draft_weights.waiting:
                     self.draft_weights.take(self.link.rounds.load_weights)
+                version = max(self._draft_version, self.draft_weights.version)
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, set()
                 sched.has_draft = self.link.has_draft
+            sched.new_draft(version)
             sched.enqueue(new)
             freed = self._apply_aborts(aborts)
             self._admit(freed)

@@ -179,6 +179,15 @@ class Scheduler:
             for alert in alerts:
                 self.policy.on_drift(alert.domain, alert.current_alpha)
 
+    def new_draft(self, version: int) -> None:
+        """Draft weights ``version`` serve (told by the frontend, or seen in a round's
+        drafts): if newer, acceptance is learnt again (SpeculationLength.new_draft), so a
+        domain the old draft lost speculation on drafts again at once."""
+        if version > self.draft_version:
+            self.draft_version = version
+            if self.policy is not None:
+                self.policy.new_draft()
+
     def plan_round(self, batch_size: int, alerts: list[DriftAlert]) -> None:
         """Before the next round's draft lengths are chosen: drift alerts that came in,
         and whether the next round measures the cost of one k (see SpeculationLength)."""
@@ -197,10 +206,7 @@ class Scheduler:
         nothing of it)."""
         if self.policy is None:
             return
-        newest = max((row.draft_version for row in stats.drafted_rows), default=0)
-        if newest > self.draft_version:  # new draft weights: acceptance is to learn again
-            self.draft_version = newest
-            self.policy.new_draft()
+        self.new_draft(max((row.draft_version for row in stats.drafted_rows), default=0))
         for row in stats.drafted_rows:
             if row.draft_version == self.draft_version:  # (drafts of the old weights: stale)
                 self.policy.observe_round(row.domain, row.drafted, row.accepted)

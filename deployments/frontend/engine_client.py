@@ -271,6 +271,8 @@ class EngineClient:
             ref = ray.put(weights)
             served = await self._call(self._load_weights(worker, version, ref), extra_s=60.0)
             self._draft_weights = (served, ref)
+            if not self.colocated:  # (a colocated draft's core knows: it loaded them)
+                await self._call(self.target.note_draft_version.remote(served))
             return served
 
     def _load_weights(self, worker, version: int, ref, timeout_s: float = 60.0):

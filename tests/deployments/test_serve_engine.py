@@ -41,6 +41,8 @@ def serve_engine(serve_http, tiny_target, tiny_draft):
                         "max_loss": 1.0,
                         "num_cpus": 0.5,
                     },
+                    # A swap is judged on 4 drafted python rounds (the test's traffic).
+                    "rollback": {"window_rounds": 4, "min_before_rounds": 3},
                     "poll_interval_s": 0.5,
                 },
             ),
@@ -144,3 +146,117 @@ def test_an_adaptation_run_reaches_the_replicas_draft_and_output_stays_exact(
     prompt = [30, 31, 32, 33, 34]
     expected = generate_autoregressive(ModelRunner(tiny_target), prompt, params).token_ids
     assert _finish(serve_engine, prompt, "default", 20) == expected
+
+
+def _wait_for(what: str, check, timeout_s: float = 90.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+    return got
+
+
+def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_versions(
+    serve_engine, tiny_target, tmp_path
+):
+    """A run with a learning rate that wrecks the draft (5.0: the candidate is still
+    deployed, the verdict being off in this app) serves version v + 1; its live
+    acceptance on python over its first 4 rounds falls far below version v's, so the
+    deployment serves version v's weights again as version v + 2, by itself. Then an
+    operator lists versions, exports one as a Hugging Face directory, turns adaptation
+    off and on, and rolls back by hand. Greedy output equals target-only throughout."""
+    from transformers import AutoModelForCausalLM
+
+    store = serve.get_deployment_handle("engine-testAdaptation", "engine-test")
+    monitor = serve.get_deployment_handle("engine-testMonitor", "engine-test")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    runner = ModelRunner(tiny_target)
+    prompts = [[70 + i, 71, 72, 73, 74] for i in range(6)]
+    expected = [generate_autoregressive(runner, p, params).token_ids for p in prompts]
+
+    def traffic():  # python rounds for the swap check, each output checked
+        for p, e in zip(prompts, expected, strict=True):
+            assert _finish(serve_engine, p, "python", 16) == e
+
+    def served(version):
+        _wait_for(
+            f"version {version} served",
+            lambda: serve_engine.health_info.remote().result()["draft_version"] == version,
+        )
+
+    traffic()  # (retained, too)
+    if store.served_version.remote().result() == 0:  # (run alone: a trained version first)
+        _wait_for("retained", lambda: len(store.records.remote("python").result()) >= 4)
+        assert store.adapt.remote("python").result()["outcome"] == "deployed"
+    # Traffic until the version served has live python rounds and no watch is pending
+    # (a version trained with the verdict off may be rolled back itself meanwhile).
+    for _ in range(10):
+        v1 = store.served_version.remote().result()
+        served(v1)
+        traffic()
+        pending = [v for v in store.versions.remote().result() if v["watch"] == "watching"]
+        counts = monitor.acceptance.remote("python").result()
+        if (
+            not pending
+            and counts.get(v1, (0,))[0] >= 3
+            and v1 == store.served_version.remote().result()
+        ):
+            break
+    else:
+        raise AssertionError(f"never settled: {store.versions.remote().result()}")
+    reference = store.versions.remote().result()[-1]["weights_of"]
+
+    outcomes = store.status.remote().result()["outcomes"]
+    bad = store.adapt.remote("python", {"lr": 5.0}).result()
+    assert bad["outcome"] == "deployed" and bad["version"] == v1 + 1, bad
+    _wait_for(
+        "bad served", lambda: serve_engine.health_info.remote().result()["draft_version"] == v1 + 1
+    )
+    traffic()
+    _wait_for(
+        "rolled back",
+        lambda: store.served_version.remote().result() == v1 + 2,
+    )
+    versions = store.versions.remote().result()
+    wrecked, back = versions[-2], versions[-1]
+    assert wrecked["version"] == v1 + 1 and wrecked["watch"].startswith("rolled back: live alpha")
+    assert back["origin"] == "rolled_back" and back["weights_of"] == reference
+    counts = monitor.acceptance.remote("python", 4).result()
+    alpha = {v: a / max(1, a + r) for v, (_, a, r) in counts.items()}
+    assert alpha[v1 + 1] < alpha[v1] - 0.05, counts
+    status = store.status.remote().result()
+    assert status["outcomes"]["rolled_back"] == outcomes["rolled_back"] + 1
+    assert status["outcomes"]["deployed"] == outcomes["deployed"] + 1
+    _wait_for(
+        "v3 served", lambda: serve_engine.health_info.remote().result()["draft_version"] == v1 + 2
+    )
+    traffic()
+
+    # An operator: export the served version (the reference's weights) for good.
+    out = tmp_path / "draft-export"
+    files = store.export.remote(v1 + 2, str(out)).result()
+    assert "config.json" in files
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert len(list(exported.parameters())) > 0
+    with pytest.raises(Exception, match="not empty"):
+        store.export.remote(v1 + 2, str(out)).result()
+    # ... turn adaptation off (no run starts, on drift or on demand) and on again
+    assert store.set_enabled.remote(False).result() is True
+    assert store.on_drift.remote("python").result() is False
+    with pytest.raises(Exception, match="turned off"):
+        store.adapt.remote("python").result()
+    assert store.set_enabled.remote(True).result() is False
+    with pytest.raises(Exception, match="lr"):  # a bad setting: refused before any run
+        store.adapt.remote("python", {"lr": -1}).result()
+    # ... and roll back by hand: to the draft as deployed (its weights loaded afresh),
+    # or, where the reference already was those, to any other version kept
+    with pytest.raises(Exception, match="already serves"):
+        store.rollback.remote(reference).result()
+    to = 0 if reference != 0 else wrecked["version"]
+    assert store.rollback.remote(to).result() == v1 + 3
+    assert store.versions.remote().result()[-1]["weights_of"] == to
+    _wait_for(
+        "the rollback served",
+        lambda: serve_engine.health_info.remote().result()["draft_version"] == v1 + 3,
+    )
+    traffic()
