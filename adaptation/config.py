@@ -123,6 +123,7 @@ class RollbackConfig(BaseModel):
     window_rounds: int = Field(
         default=64,
         ge=1,
+        le=4096,  # the monitor keeps about this many rounds per (domain, version)
         description="Drafted rounds of the domain, on every replica together, the new "
         "version is judged on.",
     )
@@ -172,7 +173,8 @@ class AdaptationConfig(BaseModel):
         default=True,
         description="Runs may start and deploy. The adaptation deployment's set_enabled "
         "turns this off and on at run time (retention goes on either way; the version "
-        "served stays until an operator rolls it back).",
+        "served stays, though the live check of a version already deployed may still roll "
+        "it back).",
     )
     poll_interval_s: float = Field(
         default=5.0,

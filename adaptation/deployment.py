@@ -14,7 +14,7 @@ reports the monitor's drift alert for a domain (``trainer.on_drift``), or on dem
 
 Operators reach it through Ray (never through the clients' HTTP port)::
 
-    h = serve.get_deployment_handle("SpecServeAdaptation", "SpecServe")
+    h = serve.get_deployment_handle("SpecServeAdaptation", "specserve")
     h.summary.remote().result()       # {domain: {requests, tokens, oldest_age_s}}
     h.drop.remote("python").result()  # forget one domain's requests now
     h.adapt.remote("prose").result()  # a run now; returns its verdict and scores
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -53,6 +54,8 @@ from adaptation.versions import DraftVersion, VersionHistory
 logger = logging.getLogger("specserve.adaptation")
 
 MONITOR_CALL_TIMEOUT_S = 30.0
+KEEP_WEIGHTS = 8  # versions whose weights stay in the object store (rollback targets)
+EXPORT_TIMEOUT_S = 600.0
 
 
 def _run_task(source, current, domain, records, config, num_threads):
@@ -73,22 +76,26 @@ def _source_weights_task(source):
 
 def _export_task(source, weights, directory):
     """The draft with ``weights`` as a Hugging Face directory (model, config, tokenizer)."""
-    import os
+    import shutil
 
     import torch
     from transformers import AutoTokenizer
 
     if os.path.exists(directory) and os.listdir(directory):
         raise ValueError(f"{directory} exists and is not empty: not overwritten")
-    model = load_draft(source, weights).to(getattr(torch, source.dtype))
-    model.save_pretrained(directory)
-    try:  # a draft directory without its own tokenizer exports without one
-        tok = AutoTokenizer.from_pretrained(
-            source.model, trust_remote_code=source.trust_remote_code
-        )
-        tok.save_pretrained(directory)
-    except (OSError, ValueError):
-        pass
+    try:
+        model = load_draft(source, weights).to(getattr(torch, source.dtype))
+        model.save_pretrained(directory)
+        try:  # a draft directory without its own tokenizer exports without one
+            tok = AutoTokenizer.from_pretrained(
+                source.model, trust_remote_code=source.trust_remote_code
+            )
+            tok.save_pretrained(directory)
+        except (OSError, ValueError):
+            pass
+    except BaseException:  # half a model must not block the next try ("not empty")
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
     return sorted(os.listdir(directory))
 
 
@@ -118,6 +125,9 @@ class AdaptationDeployment:
         self.monitor, self.model = monitor, model  # (no monitor: no events, no rollback)
         self.enabled = self.config.enabled
         self.history = VersionHistory()
+        # Held while a version is added after an await (a rollback loading weights, a
+        # restart's renumbering): no other version may slip in between.
+        self._versions_lock = asyncio.Lock()
         self._refs: dict[int, Any] = {}  # version -> its state dict in the object store
         self._run: asyncio.Task | None = None
         self._started: dict[str, float] = {}  # domain -> when its last run started
@@ -161,9 +171,26 @@ class AdaptationDeployment:
 
     # ----- versions -----------------------------------------------------------------------
 
-    async def served_version(self) -> int:
-        """The draft version every replica must serve (0: the deployed checkpoint)."""
+    async def served_version(self, serving: int = 0) -> int:
+        """The draft version every replica must serve (0: the deployed checkpoint).
+        ``serving``: the version the asking replica serves. One newer than any this
+        deployment made means it restarted (Serve replaced it) and lost the adapted
+        weights: every replica then goes back to the draft as deployed, as a version
+        newer than the one it serves (numbers only grow)."""
+        if serving > self.version:
+            async with self._versions_lock:
+                if serving > self.version:
+                    await self._renumber_after_restart(serving)
         return self.version
+
+    async def _renumber_after_restart(self, serving: int) -> None:
+        if 0 not in self._refs:
+            self._refs[0] = await self._weights_of_version(0)
+        v = self.history.restart_after(serving)
+        logger.warning(
+            "adaptation restarted: replicas go back to the deployed draft as version %d", v.version
+        )
+        self._event("rolled_back", "", f"restarted: adapted versions up to {serving} were lost")
 
     async def weights(self, version: int) -> list:
         """``[ObjectRef]`` of ``version``'s state dict (in a list, so that the caller
@@ -180,10 +207,19 @@ class AdaptationDeployment:
     async def rollback(self, to: int | None = None, reason: str = "by an operator") -> int:
         """Serve the weights of version ``to`` again (None: of the version served before
         this one) as a new version, which replicas load as they load any; returns it."""
+        async with self._versions_lock:
+            return await self._rollback(to, reason)
+
+    async def _rollback(self, to: int | None, reason: str) -> int:
+        undone = self.history.current
         target = self.history.rollback_target(to)
         if target.weights_of not in self._refs:
             self._refs[target.weights_of] = await self._weights_of_version(target.weights_of)
-        undone = self.history.current
+        if self.history.current is not undone:  # a run deployed while the weights loaded
+            raise RuntimeError(
+                f"version {self.history.current.version} was deployed meanwhile: not rolled "
+                "back (look at versions() and try again)"
+            )
         undone.watch = (
             undone.watch if undone.watch.startswith("rolled") else f"rolled back: {reason}"
         )
@@ -210,7 +246,10 @@ class AdaptationDeployment:
         return ref  # kept in the object store: replicas fetch it themselves
 
     def _forget_unused_weights(self) -> None:
-        keep = self.history.weights_in_use()
+        """Weights stay in the object store for the newest KEEP_WEIGHTS versions (and
+        the one served); older versions keep their record only."""
+        recent = self.history.versions[-KEEP_WEIGHTS:]
+        keep = {v.weights_of for v in recent} | {self.history.current.weights_of}
         for version in [v for v in self._refs if v not in keep]:
             del self._refs[version]
 
@@ -220,13 +259,16 @@ class AdaptationDeployment:
         files written."""
         if self.source is None:
             raise RuntimeError("this application serves no draft model")
+        if not os.path.isabs(directory):  # (relative: the Ray worker's session directory)
+            raise ValueError(f"directory must be an absolute path, got {directory!r}")
         weights_of = self.history.get(version).weights_of
         ref = self._refs.get(weights_of) if weights_of else None
         if weights_of and ref is None:
             raise ValueError(f"the weights of version {version} are no longer kept")
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        task = ray.remote(_export_task).options(num_cpus=1, scheduling_strategy=here)
-        return await task.remote(self.source, ref, directory)
+        # No CPU reserved: this deployment's node may have none to give (a 0-CPU head).
+        task = ray.remote(_export_task).options(num_cpus=0, scheduling_strategy=here)
+        return await asyncio.wait_for(task.remote(self.source, ref, directory), EXPORT_TIMEOUT_S)
 
     async def set_enabled(self, enabled: bool) -> bool:
         """Turn runs (on drift and on demand) off or on at run time; a run in flight when
@@ -273,6 +315,10 @@ class AdaptationDeployment:
             raise RuntimeError("this application serves no draft model: nothing to adapt")
         if not self.enabled:
             raise RuntimeError("adaptation is turned off (set_enabled(True) turns it on)")
+        me = asyncio.current_task()
+        if self._running() and self._run is not me:
+            raise RuntimeError("a run is in progress (status() says which): one at a time")
+        self._run = me
         domains = {d: self.buffer.records(d) for d in self.buffer.summary()}
         if len(domains.get(domain, ())) < 2:
             raise ValueError(f"domain {domain!r} has fewer than 2 retained requests")
@@ -344,6 +390,9 @@ class AdaptationDeployment:
                 )
             except Exception as exc:  # the monitor restarting, say: next time
                 logger.warning("swap watch: no counts from the monitor: %r", exc)
+                if time.monotonic() > deadline:
+                    version.watch = "kept: no counts from the monitor before max_wait_s"
+                    return
                 continue
             if self.history.current is not version:
                 continue  # a newer version (or a rollback) came meanwhile: said above
@@ -359,10 +408,11 @@ class AdaptationDeployment:
             if decision.decision == "wait":
                 continue
             if decision.decision == "roll_back":
-                version.watch = f"rolled back: {decision.reason}"
-                await self.rollback(
-                    previous, reason=f"version {version.version}: {decision.reason}"
-                )
+                try:  # (rollback() notes the verdict on the version it undid)
+                    await self.rollback(previous, reason=decision.reason)
+                except Exception as exc:  # e.g. the checkpoint did not load: next poll
+                    logger.warning("rollback of version %d failed: %r", version.version, exc)
+                    continue
             else:
                 version.watch = decision.reason
                 self.outcomes["kept"] += 1

@@ -3,8 +3,9 @@ domain it was trained for, against the version it replaced (pure; the adaptation
 deployment feeds it the monitor's per-version counts).
 
 Validation scored the candidate on held-back requests, a sample of the past; live traffic
-is the test that counts. The first ``window_rounds`` drafted rounds of the new version on
-the domain (every replica's) give ``α̂ = A / (A + R)``; the reference is the old version's
+is the test that counts. Once the new version has ``window_rounds`` drafted rounds on the
+domain (every replica's), its newest rounds there (at least that many, in whole flushes)
+give ``α̂ = A / (A + R)``; the reference is the old version's
 α̂ over its last rounds on the domain, or, where the old version had too few there (the
 length policy stops drafting a domain whose acceptance fell, so the drifted domain often
 has few), the run's held-back agreement before training, which tracks α̂ (measured within

@@ -1,9 +1,11 @@
 """The draft versions an application has served, and which one it serves now (pure).
 
-Version numbers only grow, whatever happens: a replica loads a version newer than the one
-it serves, the monitor's per-version acceptance and the ``specserve.draft_version`` gauge
-never see a number twice, and a rollback is a new version that serves an older one's
-weights (``weights_of``). Version 0 is the draft as deployed.
+Version numbers only grow: a replica loads a version newer than the one it serves, the
+monitor's per-version acceptance and the ``specserve.draft_version`` gauge never see a
+number twice, and a rollback is a new version that serves an older one's weights
+(``weights_of``). Version 0 is the draft as deployed. A restarted adaptation deployment
+(its history and weights lost) learns from the replicas which number they serve and goes
+on above it (:meth:`VersionHistory.restart_after`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ class VersionHistory:
         return self._add(
             DraftVersion(n, target.weights_of, "rolled_back", cur.domain, self.clock(), reason)
         )
+
+    def restart_after(self, newest: int) -> DraftVersion:
+        """A fresh history (this process restarted) learns that replicas serve version
+        ``newest``, made before the restart and lost with it: the draft as deployed
+        serves again as version ``newest + 1``."""
+        why = f"the adaptation deployment restarted; versions up to {newest} were lost"
+        return self._add(DraftVersion(newest + 1, 0, "rolled_back", None, self.clock(), why))
 
     def weights_in_use(self) -> set[int]:
         """The versions whose weights some kept version serves (what must stay stored)."""

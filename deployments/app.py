@@ -132,8 +132,9 @@ class SpecServeDeployment:
         then every ``adaptation.poll_interval_s`` (a failed check retries next time)."""
         while True:
             try:
-                version = await self.adaptation.served_version.remote()
-                if version != self.engine.health()["draft_version"]:
+                serving = self.engine.health()["draft_version"]
+                version = await self.adaptation.served_version.remote(serving)
+                if version != serving:
                     refs = await self.adaptation.weights.remote(version)
                     if refs:  # else the version moved on meanwhile: the next check
                         weights = await refs[0]

@@ -272,7 +272,10 @@ class EngineClient:
             served = await self._call(self._load_weights(worker, version, ref), extra_s=60.0)
             self._draft_weights = (served, ref)
             if not self.colocated:  # (a colocated draft's core knows: it loaded them)
-                await self._call(self.target.note_draft_version.remote(served))
+                try:  # the load succeeded; a lost note costs re-measuring, not the swap
+                    await self._call(self.target.note_draft_version.remote(served))
+                except Exception as exc:
+                    logger.warning("the core was not told of draft version %d: %r", served, exc)
             return served
 
     def _load_weights(self, worker, version: int, ref, timeout_s: float = 60.0):

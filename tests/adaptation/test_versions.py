@@ -32,3 +32,11 @@ def test_the_history_is_bounded_and_keeps_version_0():
     assert h.weights_in_use() == {0, 8, 9, 10}
     h.add_rollback(h.rollback_target(9), "x")
     assert h.weights_in_use() == {0, 9, 10}  # version 8 left the history, 11 serves 9's
+
+
+def test_a_restarted_history_serves_the_deployed_draft_above_what_replicas_serve():
+    h = VersionHistory()
+    v = h.restart_after(7)
+    assert (v.version, v.weights_of, v.origin) == (8, 0, "rolled_back")
+    assert h.current is v and h.add_trained("d", "r", None, None).version == 9
+    assert h.rollback_target(None).version == 8  # (its weights: the deployed draft's)

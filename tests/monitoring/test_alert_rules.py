@@ -34,6 +34,9 @@ COUNTERS = {
         "speculation_cache_hits",
         "speculation_cache_misses",
         "generation_tokens",
+        "adaptation_runs",
+        "adaptation_training_tokens",
+        "adaptation_training_time_seconds",
     )
 }
 GAUGES = {
@@ -44,6 +47,8 @@ GAUGES = {
     "specserve_acceptance_alpha_baseline",
     "specserve_scheduler_running",
     "specserve_scheduler_waiting",
+    "specserve_draft_version",
+    "specserve_adaptation_validation_gain",
 }
 HISTOGRAMS = {
     "specserve_round_verify_seconds",
