@@ -33,6 +33,7 @@ COPY --chown=ray:users adaptation adaptation
 COPY --chown=ray:users models models
 COPY --chown=ray:users cluster cluster
 # Editable, so that relative model paths (models/demo-target) resolve against this checkout
-# from any Ray worker's working directory (deployments.config.resolve_model_path).
-RUN pip install --no-cache-dir -e . "ray[serve]==${RAY_VERSION}" \
-    && python -c "import torch, transformers, ray, specdec, deployments.app, monitoring"
+# from any Ray worker's working directory (deployments.config.resolve_model_path). With
+# peft: adaptation trains low-rank adapters for drafts of adapter_min_params and more.
+RUN pip install --no-cache-dir -e ".[adapters]" "ray[serve]==${RAY_VERSION}" \
+    && python -c "import torch, transformers, ray, specdec, deployments.app, monitoring, peft"

@@ -13,10 +13,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from adaptation.adapters import adapter_update, with_adapters
 from adaptation.config import TrainerConfig
 from adaptation.distill import DistillSettings, TrainingRow, distill, training_rows
 from adaptation.retention import RetainedRequest
 from adaptation.validation import Verdict, agreement, judge, split_held_back
+from specdec.low_rank import LowRankUpdate
 
 MAX_ROW_TOKENS = 256  # tokens per training row (the prompt's tail, then the output)
 
@@ -44,12 +46,21 @@ class RunResult:
     held_back_requests: int
     seconds: float
     weights: dict[str, torch.Tensor] | None  # only when deployed
+    # a run with adapters, deployed: the same weights as factors over base_version
+    update: LowRankUpdate | None = None
 
     def summary(self) -> dict:
         """Everything but the weights (for logs, the handle and metrics)."""
-        out = asdict(self)
-        out.pop("weights")
+        out = {k: v for k, v in vars(self).items() if k not in ("weights", "update")}
         out["verdict"] = asdict(self.verdict)
+        out["adapters"] = (
+            None
+            if self.update is None
+            else {
+                "tensors": len(self.update.factors),
+                "megabytes": round(self.update.nbytes() / 2**20, 3),
+            }
+        )
         return out
 
 
@@ -73,15 +84,20 @@ def run(
     records: Mapping[str, Sequence[RetainedRequest]],
     config: TrainerConfig,
     log: Callable[[str], None] | None = None,
+    base_version: int = 0,
 ) -> RunResult:
     """Train a candidate for ``domain`` from ``records`` (every domain's retained
-    requests) and judge it; see the module docstring."""
+    requests) and judge it; see the module docstring. ``current`` are the weights of
+    draft version ``base_version`` (None: the checkpoint's)."""
     t0 = time.monotonic()
     train, held = _split(records, config.held_back_fraction)
     if len(train.get(domain, ())) < 1 or not held.get(domain):
         raise ValueError(f"not enough retained requests of domain {domain!r} to train")
     model = load_draft(source, current)
     before = {d: agreement(model, rows) for d, rows in held.items()}
+    adapters = sum(p.numel() for p in model.parameters()) >= config.adapter_min_params
+    if adapters:
+        model = with_adapters(model, config.lora_rank, config.lora_alpha)
     replay = [row for d, rows in train.items() if d != domain for row in rows]
     settings = DistillSettings(
         steps=config.steps,
@@ -95,11 +111,11 @@ def run(
     after = {d: agreement(model, rows) for d, rows in held.items()}
     verdict = judge(before, after, domain, config.min_gain, config.max_loss)
     dtype = getattr(torch, source.dtype)
-    weights = (
-        {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
-        if verdict.deploy
-        else None
-    )
+    weights = update = None
+    if verdict.deploy and adapters:
+        update, weights = adapter_update(model, base_version, dtype)
+    elif verdict.deploy:
+        weights = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
     return RunResult(
         domain=domain,
         verdict=verdict,
@@ -110,6 +126,7 @@ def run(
         held_back_requests=len(held[domain]),
         seconds=round(time.monotonic() - t0, 2),
         weights=weights,
+        update=update,
     )
 
 

@@ -64,7 +64,23 @@ class TrainerConfig(BaseModel):
     min_requests: int = Field(
         default=16,
         ge=2,
-        description="Retained requests of the domain a run needs (some are held back).",
+        description="Retained requests a run needs: for a run on drift, requests of the "
+        "domain that finished since its shift (some are held back); a retry needs as many "
+        "new ones again.",
+    )
+    lookback_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="A drifted domain's requests that finished this long before its alert "
+        "fired count as drifted too (the detector needs some rounds to fire); older ones "
+        "are the traffic from before the shift, replayed and scored apart.",
+    )
+    retry_after_s: float = Field(
+        default=120.0,
+        gt=0.0,
+        description="While a domain's alert keeps firing, seconds from one of its runs to "
+        "the next (after a rejected run, or a deployed one that did not bring acceptance "
+        "back).",
     )
     held_back_fraction: float = Field(
         default=0.2,
@@ -106,6 +122,26 @@ class TrainerConfig(BaseModel):
     num_gpus: float = Field(default=0.0, ge=0.0, description="GPUs the training task reserves.")
     num_threads: int = Field(
         default=1, ge=1, description="torch threads the training task uses (bounds its CPU)."
+    )
+    adapter_min_params: int = Field(
+        default=100_000_000,
+        ge=1,
+        description="A draft with at least this many parameters trains low-rank adapters "
+        "(LoRA, the optional peft library) instead of every weight, and a swap ships "
+        "their factors (megabytes) to replicas serving the version they were trained on.",
+    )
+    lora_rank: int = Field(default=16, ge=1, le=256, description="Rank of each adapter.")
+    lora_alpha: float = Field(
+        default=32.0, gt=0.0, description="LoRA's alpha: the update is scaled by alpha / rank."
+    )
+    niceness: int = Field(
+        default=19,
+        ge=0,
+        le=19,
+        description="OS priority the training task's process lowers itself by (nice; 19: "
+        "the lowest): on cores it shares with serving it takes the CPU time serving leaves "
+        "idle, so serving slows little while a run trains (bench.adaptation measures "
+        "tokens/s during runs against before); 0 trains at serving's priority.",
     )
 
 

@@ -35,6 +35,7 @@ OpenTelemetry log record).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -49,6 +50,7 @@ from adaptation.candidate import DraftSource, load_draft, run
 from adaptation.config import AdaptationConfig, TrainerConfig
 from adaptation.retention import RetainedRequest, RetentionBuffer
 from adaptation.swap_check import Counts, check_swap
+from adaptation.trigger import PendingDomain, drifted_since, run_data, should_run
 from adaptation.versions import DraftVersion, VersionHistory
 
 logger = logging.getLogger("specserve.adaptation")
@@ -58,12 +60,16 @@ KEEP_WEIGHTS = 8  # versions whose weights stay in the object store (rollback ta
 EXPORT_TIMEOUT_S = 600.0
 
 
-def _run_task(source, current, domain, records, config, num_threads):
-    """:func:`adaptation.candidate.run` in a task of its own (its CPUs bounded)."""
+def _run_task(source, current, domain, records, config, num_threads, base_version):
+    """:func:`adaptation.candidate.run` in a task of its own: its threads bounded, and
+    its process at the OS priority ``config.niceness`` (the worker exits after it:
+    ``max_calls=1``, so no later task inherits either)."""
     import torch
 
+    if config.niceness:
+        os.nice(config.niceness)
     torch.set_num_threads(num_threads)
-    return run(source, current, domain, records, config, log=logger.info)
+    return run(source, current, domain, records, config, logger.info, base_version)
 
 
 def _source_weights_task(source):
@@ -129,12 +135,17 @@ class AdaptationDeployment:
         # restart's renumbering): no other version may slip in between.
         self._versions_lock = asyncio.Lock()
         self._refs: dict[int, Any] = {}  # version -> its state dict in the object store
+        # version -> (base version, its LowRankUpdate in the object store): adapter runs
+        self._updates: dict[int, tuple[int, Any]] = {}
         self._run: asyncio.Task | None = None
-        self._started: dict[str, float] = {}  # domain -> when its last run started
+        self._pending: dict[str, PendingDomain] = {}  # domains whose drift alert fires
+        self._wake = asyncio.Event()  # a replica reported an alert: look at once
         self.runs: list[dict[str, Any]] = []  # each run's summary, newest last
         self.outcomes = dict.fromkeys(
             ("started", "deployed", "rejected", "failed", "rolled_back", "kept"), 0
         )
+        if monitor is not None:  # (drift alerts come from the monitor)
+            self._spawn(self._adapt_forever())
 
     @property
     def version(self) -> int:
@@ -192,13 +203,22 @@ class AdaptationDeployment:
         )
         self._event("rolled_back", "", f"restarted: adapted versions up to {serving} were lost")
 
-    async def weights(self, version: int) -> list:
-        """``[ObjectRef]`` of ``version``'s state dict (in a list, so that the caller
-        fetches it from the object store itself); [] if that is not the version served."""
+    async def weights(self, version: int, serving: int | None = None) -> list:
+        """What a replica serving version ``serving`` loads to serve ``version``, as
+        ObjectRefs in a list (so that it fetches them from the object store itself):
+        ``[state dict]``, or for a version an adapter run made, to a replica serving its
+        base, ``[LowRankUpdate, state dict]`` (the factors to ship, the whole for its
+        replacements). [] if ``version`` is not the version served."""
         if version != self.version:
             return []
-        weights_of = self.history.current.weights_of
-        return [self._refs[weights_of]] if weights_of in self._refs else []
+        current = self.history.current
+        full = self._refs.get(current.weights_of)
+        if full is None:
+            return []
+        update = self._updates.get(current.version)
+        if update is not None and serving == update[0]:
+            return [update[1], full]
+        return [full]
 
     async def versions(self) -> list[dict[str, Any]]:
         """Every version kept, oldest first: origin, domain, scores, the live check."""
@@ -252,6 +272,8 @@ class AdaptationDeployment:
         keep = {v.weights_of for v in recent} | {self.history.current.weights_of}
         for version in [v for v in self._refs if v not in keep]:
             del self._refs[version]
+        for version in [v for v in self._updates if v != self.history.current.version]:
+            del self._updates[version]  # (only the version served ships as factors)
 
     async def export(self, version: int, directory: str) -> list[str]:
         """Write ``version`` as a Hugging Face directory (``directory`` must be new or
@@ -281,7 +303,8 @@ class AdaptationDeployment:
         return {
             "enabled": self.enabled,
             "version": self.version,
-            "running": self._run is not None and not self._run.done(),
+            "running": self._running(),
+            "pending": {d: asdict(p) for d, p in self._pending.items()},
             "outcomes": dict(self.outcomes),
             "runs": list(self.runs),
         }
@@ -289,50 +312,109 @@ class AdaptationDeployment:
     # ----- runs ---------------------------------------------------------------------------
 
     async def on_drift(self, domain: str) -> bool:
-        """A replica saw the drift alert fire for ``domain``: start a run unless one is
-        running, adaptation or runs on drift are off, or the domain has too few
-        requests. Returns whether a run started."""
-        if not (self.enabled and self.config.trainer.on_drift) or self._running():
+        """A replica saw a drift alert change for ``domain``: the domain is pending
+        adaptation if its alert fires (checked with the monitor; :mod:`adaptation.trigger`
+        says when its run starts). Returns whether adaptation may start runs on drift."""
+        if not (self.enabled and self.config.trainer.on_drift) or self.monitor is None:
             return False
-        # Every replica reports the same alert: one run per domain per cooldown.
-        cooldown = max(60.0, self.config.trainer.max_seconds)
-        if time.monotonic() - self._started.get(domain, -cooldown) < cooldown:
-            return False
-        if len(self.buffer.records(domain)) < self.config.trainer.min_requests:
-            logger.info("adaptation: drift on %r, but too few requests retained to train", domain)
-            return False
-        self._run = asyncio.get_running_loop().create_task(self.adapt(domain))
+        self._wake.set()  # (the loop asks the monitor whether it fires)
         return True
+
+    async def _adapt_forever(self) -> None:
+        """Every ``poll_interval_s`` (or at once when a replica reports an alert): the
+        domains whose alert fires are pending; one of them gets a run when it is due."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+            self._wake.clear()
+            try:
+                status = await asyncio.wait_for(
+                    self.monitor.status.remote(), MONITOR_CALL_TIMEOUT_S
+                )
+            except Exception as exc:  # the monitor restarting, say: next time
+                logger.warning("adaptation: no drift state from the monitor: %r", exc)
+                continue
+            firing = {d for d, st in status["domains"].items() if st["state"] == "firing"}
+            self._track(firing)
+            if self.enabled and self.config.trainer.on_drift and not self._running():
+                self._start_due()
+
+    def _track(self, firing: set[str]) -> None:
+        now = self.buffer.now()
+        for domain in [d for d in self._pending if d not in firing]:
+            logger.info("adaptation: %r no longer drifts", domain)
+            del self._pending[domain]
+        for domain in firing - self._pending.keys():
+            logger.info("adaptation: %r drifts: pending a run", domain)
+            self._pending[domain] = PendingDomain(domain, fired_at=now)
+
+    def _start_due(self) -> None:
+        cfg, now = self.config.trainer, self.buffer.now()
+        for pending in self._pending.values():
+            records = self.buffer.records(pending.domain)
+            watching = any(
+                v.domain == pending.domain and v.watch == "watching" for v in self.history.versions
+            )
+            if should_run(
+                pending,
+                records,
+                now,
+                min_requests=cfg.min_requests,
+                lookback_s=cfg.lookback_s,
+                retry_after_s=cfg.retry_after_s,
+                watching=watching,
+            ):
+                pending.last_run_at = now
+                pending.last_run_newest = max(r.finished_at for r in records)
+                since = drifted_since(pending, cfg.lookback_s)
+                everything = {d: self.buffer.records(d) for d in self.buffer.summary()}
+                data = run_data(everything, pending.domain, since)
+                self._run = asyncio.get_running_loop().create_task(
+                    self._train_quietly(pending.domain, data, cfg)
+                )
+                return
+
+    async def _train_quietly(self, domain: str, data: dict, cfg: TrainerConfig) -> None:
+        with contextlib.suppress(Exception):  # (a failure is recorded, logged and counted)
+            await self._train(domain, data, cfg)
 
     def _running(self) -> bool:
         return self._run is not None and not self._run.done()
 
     async def adapt(self, domain: str, trainer: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Train, validate and (if it is better) deploy a draft for ``domain`` now;
-        returns the run's summary (verdict, scores before and after, training).
-        ``trainer``: settings of :class:`TrainerConfig` to change for this run only."""
+        """Train, validate and (if it is better) deploy a draft for ``domain`` now, on
+        all its retained requests; returns the run's summary (verdict, scores before and
+        after, training). ``trainer``: :class:`TrainerConfig` settings for this run only."""
         if self.source is None:
             raise RuntimeError("this application serves no draft model: nothing to adapt")
         if not self.enabled:
             raise RuntimeError("adaptation is turned off (set_enabled(True) turns it on)")
-        me = asyncio.current_task()
-        if self._running() and self._run is not me:
+        if self._running():
             raise RuntimeError("a run is in progress (status() says which): one at a time")
-        self._run = me
         domains = {d: self.buffer.records(d) for d in self.buffer.summary()}
         if len(domains.get(domain, ())) < 2:
             raise ValueError(f"domain {domain!r} has fewer than 2 retained requests")
         cfg = self.config.trainer
         if trainer:  # validated as a whole: a bad field is refused before anything runs
             cfg = TrainerConfig.model_validate({**cfg.model_dump(), **trainer})
+        self._run = asyncio.current_task()
+        return await self._train(domain, domains, cfg)
+
+    async def _train(self, domain: str, data: dict, cfg: TrainerConfig) -> dict[str, Any]:
+        """One run in a Ray task of its own (the trainer's resources), then its verdict."""
+        if self.source is None:
+            raise RuntimeError("this application serves no draft model: nothing to adapt")
         self.outcomes["started"] += 1
-        self._started[domain] = time.monotonic()
-        self._event("started", domain, f"{len(domains[domain])} requests retained")
-        task = ray.remote(_run_task).options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
+        self._event("started", domain, f"{len(data[domain])} requests to learn from")
+        task = ray.remote(_run_task).options(
+            num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, max_calls=1
+        )
         served = self.history.current
         current = self._refs.get(served.weights_of)  # (resolved by Ray in the task)
         try:
-            result = await task.remote(self.source, current, domain, domains, cfg, cfg.num_threads)
+            result = await task.remote(
+                self.source, current, domain, data, cfg, cfg.num_threads, served.version
+            )
         except Exception as exc:
             self.outcomes["failed"] += 1
             self._note({"domain": domain, "outcome": "failed", "error": repr(exc)[:500]})
@@ -351,6 +433,8 @@ class AdaptationDeployment:
             before, after = result.before.get(domain), result.after.get(domain)
             v = self.history.add_trained(domain, verdict.reason, before, after)
             self._refs[v.version] = ray.put(result.weights)
+            if result.update is not None:  # replicas serving its base get the factors
+                self._updates[v.version] = (result.update.base_version, ray.put(result.update))
             self._forget_unused_weights()
             self.outcomes["deployed"] += 1
             summary["version"] = v.version

@@ -110,8 +110,9 @@ def distill(
     if not domain_rows:
         raise ValueError("no training rows for the domain")
     device = next(model.parameters()).device
+    trained = [p for p in model.parameters() if p.requires_grad]  # (adapters: theirs only)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95)
+        trained, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95)
     )
     gen = random.Random(settings.seed)
     n_replay = round(settings.batch_size * settings.replay_fraction) if replay_rows else 0
@@ -133,7 +134,7 @@ def distill(
             )
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trained, settings.grad_clip)
             opt.step()
             step += 1
             tokens += int((labels != IGNORE).sum())

@@ -134,6 +134,10 @@ class RetentionBuffer:
         self._append(record)
         return True
 
+    def now(self) -> float:
+        """This buffer's clock (what requests are stamped with) [s]."""
+        return self._clock()
+
     def records(self, domain: str) -> list[RetainedRequest]:
         """The domain's kept requests, oldest first (expired ones dropped first)."""
         if self._expire(domain, self._clock()):

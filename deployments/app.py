@@ -135,10 +135,11 @@ class SpecServeDeployment:
                 serving = self.engine.health()["draft_version"]
                 version = await self.adaptation.served_version.remote(serving)
                 if version != serving:
-                    refs = await self.adaptation.weights.remote(version)
+                    refs = await self.adaptation.weights.remote(version, serving)
                     if refs:  # else the version moved on meanwhile: the next check
-                        weights = await refs[0]
-                        await self.engine.load_draft_weights(version, weights)
+                        weights = await refs[0]  # (factors over what it serves, or all)
+                        full = refs[1] if len(refs) > 1 else None
+                        await self.engine.load_draft_weights(version, weights, full)
                         logger.info("draft version %d served", version)
                         if self.monitor is not None:  # acceptance changes: new baselines
                             call = self.monitor.new_draft_deployed.remote(version)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.low_rank import LowRankUpdate
 from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import dequantize_q, quantize_q
 from specdec.rejection import ProposalKind
@@ -118,13 +119,17 @@ class DraftModelProposer(Proposer):
             del self._cached[seq_id]
             self.runner.free(seq_id)
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """New draft weights (:meth:`ModelRunner.load_weights`), between proposals. Every
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | LowRankUpdate) -> None:
+        """New draft weights (:meth:`ModelRunner.load_weights`; a :class:`LowRankUpdate`:
+        :meth:`ModelRunner.add_low_rank`, over the weights served now), between proposals. Every
         sequence's cached keys and values came from the old weights: each is emptied, and
         its next proposal feeds all its committed tokens again (a lazy rebuild, paid by
         the sequences that draft again). A proposal's drafts and its q therefore always
         come from one set of weights."""
-        self.runner.load_weights(weights)
+        if isinstance(weights, LowRankUpdate):
+            self.runner.add_low_rank(weights)
+        else:
+            self.runner.load_weights(weights)
         for seq_id, cached in self._cached.items():
             cached.clear()
             self.runner.rollback(seq_id, 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from specdec.execution import EAGER, CompiledForward, PassShape, check_execution
 from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, kv_free_bytes, plan_slots
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 from specdec.kv_manager import SlotTable
+from specdec.low_rank import LowRankUpdate, merged, unfit_factors
 from specdec.peak_memory import PeakMemory
 from specdec.row_attention import (
     ROW_ATTENTION,
@@ -434,6 +436,39 @@ class ModelRunner:
         was computed by the old weights: the caller rebuilds them (rolls its sequences
         back and feeds them again)."""
         staged = self._staged_weights(weights)
+        with torch.no_grad():
+            for param, value in staged:
+                param.copy_(value)
+
+    def add_low_rank(self, update: LowRankUpdate) -> None:
+        """Merge ``update``'s factors into their weights, in place (as :meth:`load_weights`:
+        the storages stay). Every factor pair is checked, and every merged value computed,
+        before one is written (ValueError names what does not fit); a finite update that
+        merges to a non-finite value is refused too. The base version is the caller's to
+        check: the factors mean something only on the weights they were trained on."""
+        params = dict(self.model.state_dict(keep_vars=True))
+        if not isinstance(update.scale, (int, float)) or not math.isfinite(update.scale):
+            raise ValueError(f"scale {update.scale!r} is not a finite number")
+        problems: dict[str, list[str]] = {}
+        staged, seen = [], set()
+        for name, pair in update.factors.items():
+            pair_ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+            why = None if pair_ok else "not a pair (A, B)"
+            why = why or unfit_factors(*pair, params.get(name))
+            if why is None and id(params[name]) in seen:
+                why = "named twice (tied names)"
+            seen.add(id(params.get(name)))
+            if why is None:
+                value = merged(params[name], *pair, update.scale)
+                why = None if bool(torch.isfinite(value).all()) else "merges to non-finite"
+                staged.append((params[name], value))
+            if why:
+                problems.setdefault(why, []).append(name)
+        if problems:
+            raise ValueError(
+                "low-rank update does not fit the model: "
+                + "; ".join(f"{what}: {', '.join(ns[:5])}" for what, ns in problems.items())
+            )
         with torch.no_grad():
             for param, value in staged:
                 param.copy_(value)

@@ -17,8 +17,9 @@ Imported (and their config builders validated against ``deployments.config``) bu
 run: ``bench.pipeline`` and ``bench.telemetry`` start Ray actors; ``bench.http`` needs a
 running server; ``bench.peers``, ``bench.policy``, ``bench.soak``, ``bench.ttft`` (its
 measurement) and ``bench.serving`` (GuideLLM too) deploy Serve applications;
-``bench.transport`` starts Ray actors of its own (``ray.init``). ``bench.common`` is exercised
-by every run above.
+``bench.transport`` starts Ray actors of its own (``ray.init``). ``bench.adaptation`` deploys
+one too; its ``--smoke`` run is tests/adaptation/test_bench_adaptation.py, in a process of
+its own. ``bench.common`` is exercised by every run above.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from deployments.frontend.request_state import (
 from deployments.frontend.telemetry_link import TelemetryLink, TelemetrySink
 from deployments.frontend.worker_launch import WorkerLauncher, startup_cause
 from deployments.messages import EngineCoreOutput, EngineCoreOutputs, decode
+from specdec.low_rank import LowRankUpdate
 from specdec.sampling import SamplingParams
 from specdec.stats import SpecCounts
 
@@ -108,6 +109,7 @@ class EngineClient:
         # in Ray's object store), once load_draft_weights has been called: a replacement
         # draft (or core, colocated) loads them before it drafts.
         self._draft_weights: tuple[int, Any] | None = None
+        self.draft_update: str | None = None  # how the last version came: "full", "low_rank"
         # One weights load at a time (a caller's, or a replacement worker's), so that the
         # version recorded is the one every worker serves.
         self._weights_lock = asyncio.Lock()
@@ -251,26 +253,38 @@ class EngineClient:
             else None,
             "aborted": self.aborted,
             "draft_version": self._draft_weights[0] if self._draft_weights else 0,
+            "draft_update": self.draft_update,
             "error": self._fatal,
         }
 
-    async def load_draft_weights(self, version: int, weights: dict[str, Any]) -> int:
-        """Serve the draft with ``weights`` (a state dict of the draft model) as
-        ``version``, between rounds, without a lost or changed request; returns the
-        version served. Weights that do not fit the draft are refused (ValueError) and
-        the old ones stay. A draft or core replaced later loads the same version."""
+    async def load_draft_weights(
+        self, version: int, weights: dict[str, Any] | LowRankUpdate, full=None
+    ) -> int:
+        """Serve the draft with ``weights`` (a state dict of the draft model, or a
+        :class:`LowRankUpdate` over the version served now, with ``full``: an ObjectRef
+        of the merged state dict) as ``version``, between rounds, without a lost or
+        changed request; returns the version served. Weights that do not fit the draft
+        are refused (ValueError) and the old ones stay. A draft or core replaced later
+        loads the same version (``full`` for an update)."""
         if self.config.draft is None:
             raise EngineError("this engine serves without a draft model")
         async with self._weights_lock:
             served = self._draft_weights[0] if self._draft_weights else 0
             if version <= served:
                 raise ValueError(f"draft version {version} is not newer than {served}")
+            low_rank = isinstance(weights, LowRankUpdate)
+            if low_rank and (weights.base_version != served or full is None):
+                raise ValueError(
+                    f"a low-rank update over version {weights.base_version} needs version "
+                    f"{weights.base_version} served (it is {served}) and the full weights"
+                )
             worker = self.target if self.colocated else self.draft
             if worker is None or self._replacing_target:
                 raise EngineError("the draft's worker is being replaced: try again")
             ref = ray.put(weights)
             served = await self._call(self._load_weights(worker, version, ref), extra_s=60.0)
-            self._draft_weights = (served, ref)
+            self._draft_weights = (served, full if low_rank else ref)
+            self.draft_update = "low_rank" if low_rank else "full"
             if not self.colocated:  # (a colocated draft's core knows: it loaded them)
                 try:  # the load succeeded; a lost note costs re-measuring, not the swap
                     await self._call(self.target.note_draft_version.remote(served))

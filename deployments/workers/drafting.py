@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Hashable
 
 from deployments.messages import DraftItem, DraftStatus, PushedDraft
+from specdec.low_rank import LowRankUpdate
 from specdec.qcodec import DeviceQ, encode_batch
 from specdec.sampling import SamplingParams
 from specdec.speculation_cache import Drafts, SpeculativeDrafter
@@ -63,8 +64,14 @@ class DraftRounds:
         self.failed_sequences = 0  # given up on (decoded target-only since)
         self.version = 0  # of the draft weights drafting now (0: as deployed)
 
-    def load_weights(self, version: int, weights: dict) -> None:
-        """New draft weights, between messages or rounds (see :class:`WeightsHandoff`)."""
+    def load_weights(self, version: int, weights) -> None:
+        """New draft weights (a state dict, or a LowRankUpdate over the version served
+        now), between messages or rounds (see :class:`WeightsHandoff`)."""
+        if isinstance(weights, LowRankUpdate) and weights.base_version != self.version:
+            raise ValueError(
+                f"low-rank update over version {weights.base_version}, but version "
+                f"{self.version} serves: it needs the full weights"
+            )
         self.drafter.load_weights(weights)
         self.version = version
 

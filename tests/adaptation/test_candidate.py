@@ -63,3 +63,30 @@ def test_a_run_that_gains_too_little_is_rejected_without_weights(tiny_draft, ser
 def test_a_domain_with_too_few_requests_is_refused(tiny_draft, served):
     with pytest.raises(ValueError, match="not enough retained requests"):
         run(DraftSource(tiny_draft, "float32"), None, "zz", served, config())
+
+
+def test_a_draft_above_adapter_min_params_trains_adapters_and_ships_their_factors(
+    tiny_draft, served
+):
+    """With ``adapter_min_params`` below the draft's size the run trains LoRA adapters
+    (peft) on the linear layers (its loss falls; this shift needs the output layer, which
+    adapters leave alone, so it gains little here), and what it ships is the factors over
+    the version it started from, which a runner of that version merges into exactly the
+    full weights the run also keeps (for rollbacks, exports, replicas elsewhere)."""
+    from specdec.low_rank import LowRankUpdate
+
+    source = DraftSource(tiny_draft, "bfloat16")
+    cfg = config(min_gain=0.0, max_loss=1.0, adapter_min_params=1, lora_rank=4, lr=1e-2)
+    result = run(source, None, "d", served, cfg, base_version=3)
+    assert result.train["last_loss"] < result.train["first_loss"] - 0.1, result.train
+    update = result.update
+    assert isinstance(update, LowRankUpdate) and update.base_version == 3
+    assert update.factors and all(a.shape[0] == 4 for a, _ in update.factors.values())
+    assert "lm_head.weight" not in update.factors
+    assert result.summary()["adapters"]["tensors"] == len(update.factors)
+    runner = ModelRunner(tiny_draft, dtype="bfloat16")
+    untouched = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    runner.add_low_rank(update)
+    for name, value in runner.model.state_dict().items():
+        assert torch.equal(value, result.weights[name]), name
+        assert torch.equal(value, untouched[name]) == (name not in update.factors), name

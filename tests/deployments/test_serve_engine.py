@@ -148,6 +148,34 @@ def test_an_adaptation_run_reaches_the_replicas_draft_and_output_stays_exact(
     assert _finish(serve_engine, prompt, "default", 20) == expected
 
 
+def test_an_adapter_run_ships_only_its_factors_to_the_replica(serve_engine, tiny_target):
+    """A run with adapters (adapter_min_params below the draft's size): the replica,
+    serving the version the run started from, loads the low-rank factors (not the whole
+    draft), and greedy output stays the target's."""
+    store = serve.get_deployment_handle("engine-testAdaptation", "engine-test")
+    for i in range(4):
+        _finish(serve_engine, [80 + i, 61, 62, 63], "python", 8)
+    _wait_for("retained", lambda: len(store.records.remote("python").result()) >= 4)
+    base = store.served_version.remote().result()
+    _wait_for(
+        "base served", lambda: serve_engine.health_info.remote().result()["draft_version"] == base
+    )
+    summary = store.adapt.remote("python", {"adapter_min_params": 1, "lora_rank": 4}).result()
+    assert summary["outcome"] == "deployed" and summary["adapters"]["tensors"] > 0, summary
+    health = _wait_for(
+        "the adapter version served",
+        lambda: (
+            (h := serve_engine.health_info.remote().result())["draft_version"] == summary["version"]
+            and h
+        ),
+    )
+    assert health["draft_update"] == "low_rank"
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = [30, 31, 32, 33, 34]
+    expected = generate_autoregressive(ModelRunner(tiny_target), prompt, params).token_ids
+    assert _finish(serve_engine, prompt, "default", 20) == expected
+
+
 def _wait_for(what: str, check, timeout_s: float = 90.0):
     deadline = time.monotonic() + timeout_s
     while not (got := check()):
