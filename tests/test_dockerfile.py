@@ -89,7 +89,8 @@ def test_project_models_and_cluster_configs_are_in_the_image():
     for path in copied:
         assert (ROOT / path).exists(), path
         assert not any(fnmatch.fnmatch(path, pattern) for pattern in ignored), path
-    assert any(w == "RUN" and "pip install" in r and "-e ." in r for w, r in instructions())
+    editable = re.compile(r"-e ['\"]?\.(\[[a-z,]+\])?['\"]?(\s|$)")  # the checkout, extras or not
+    assert any(w == "RUN" and "pip install" in r and editable.search(r) for w, r in instructions())
 
 
 def test_manifest_names_the_image_the_documented_build_tags():
