@@ -406,8 +406,8 @@ class AdaptationDeployment:
             raise RuntimeError("this application serves no draft model: nothing to adapt")
         self.outcomes["started"] += 1
         self._event("started", domain, f"{len(data[domain])} requests to learn from")
-        task = ray.remote(_run_task).options(
-            num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, max_calls=1
+        task = ray.remote(max_calls=1)(_run_task).options(
+            num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus
         )
         served = self.history.current
         current = self._refs.get(served.weights_of)  # (resolved by Ray in the task)
