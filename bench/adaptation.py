@@ -168,7 +168,9 @@ class Server:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # as make serve
         self.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        t0 = time.monotonic()
         serve.run(build_app(cfg), name=name, route_prefix=prefix)
+        self.deploy_s = round(time.monotonic() - t0, 1)  # (then /health: graphs compiled)
         self.monitor = serve.get_deployment_handle("SpecServeMonitor", name)
         self.adaptation = serve.get_deployment_handle("SpecServeAdaptation", name)
         self.config = cfg
@@ -213,7 +215,7 @@ async def timeline(server: Server, prompts: Prompts, args) -> dict:
     """Python traffic until the detector learnt its baseline, prose until recovery (or
     the budget), Python again; a row per probe."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=600) as http:
-        startup_s = await wait_healthy(http)
+        startup_s = server.deploy_s + await wait_healthy(http)
         traffic = Traffic(http, prompts, args)
         clients = [asyncio.create_task(traffic.client()) for _ in range(args.concurrency)]
         rows: list[dict] = []
