@@ -50,7 +50,7 @@ from adaptation.candidate import DraftSource, load_draft, run
 from adaptation.config import AdaptationConfig, TrainerConfig
 from adaptation.retention import RetainedRequest, RetentionBuffer
 from adaptation.swap_check import Counts, check_swap
-from adaptation.trigger import PendingDomain, drifted_since, run_data, should_run
+from adaptation.trigger import PendingDomain, run_data, should_run, start_pending
 from adaptation.versions import DraftVersion, VersionHistory
 
 logger = logging.getLogger("specserve.adaptation")
@@ -139,6 +139,7 @@ class AdaptationDeployment:
         self._updates: dict[int, tuple[int, Any]] = {}
         self._run: asyncio.Task | None = None
         self._pending: dict[str, PendingDomain] = {}  # domains whose drift alert fires
+        self._episodes: dict[str, PendingDomain] = {}  # each domain's latest drift
         self._wake = asyncio.Event()  # a replica reported an alert: look at once
         self.runs: list[dict[str, Any]] = []  # each run's summary, newest last
         self.outcomes = dict.fromkeys(
@@ -346,7 +347,12 @@ class AdaptationDeployment:
             del self._pending[domain]
         for domain in firing - self._pending.keys():
             logger.info("adaptation: %r drifts: pending a run", domain)
-            self._pending[domain] = PendingDomain(domain, fired_at=now)
+            current = self.history.current
+            continues = current.origin == "trained" and current.domain == domain
+            previous = self._episodes.get(domain)
+            lookback = self.config.trainer.lookback_s
+            pending = start_pending(domain, now, lookback, previous, continues)
+            self._pending[domain] = self._episodes[domain] = pending
 
     def _start_due(self) -> None:
         cfg, now = self.config.trainer, self.buffer.now()
@@ -360,15 +366,13 @@ class AdaptationDeployment:
                 records,
                 now,
                 min_requests=cfg.min_requests,
-                lookback_s=cfg.lookback_s,
                 retry_after_s=cfg.retry_after_s,
                 watching=watching,
             ):
                 pending.last_run_at = now
                 pending.last_run_newest = max(r.finished_at for r in records)
-                since = drifted_since(pending, cfg.lookback_s)
                 everything = {d: self.buffer.records(d) for d in self.buffer.summary()}
-                data = run_data(everything, pending.domain, since)
+                data = run_data(everything, pending.domain, pending.since)
                 self._run = asyncio.get_running_loop().create_task(
                     self._train_quietly(pending.domain, data, cfg)
                 )

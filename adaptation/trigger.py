@@ -6,7 +6,9 @@ from before it: a run started at that instant would learn the old traffic again.
 firing domain is *pending*: it gets a run once ``min_requests`` of its requests finished
 after the shift (from ``lookback_s`` before the alert fired, the detector's delay), and
 another, on newer requests, every ``retry_after_s`` while the alert keeps firing and no
-version deployed for it is still under its live check. The alert resolving ends it.
+version deployed for it is still under its live check. The alert resolving ends it; an
+alert that fires again while the draft served is the one adapted for it continues the
+same drift (:func:`start_pending`).
 
 The run's data keeps the two periods apart (:func:`run_data`): the domain's requests since
 the shift train the candidate and judge its gain; its older requests (the traffic from
@@ -30,13 +32,25 @@ class PendingDomain:
 
     domain: str
     fired_at: float  # when the alert was first seen firing [s, the buffer's clock]
+    since: float  # the domain's requests that finished from then on are drifted [s]
     last_run_at: float | None = None  # when its last run started [s]
     last_run_newest: float = 0.0  # finishing time of the newest request that run saw [s]
 
 
-def drifted_since(pending: PendingDomain, lookback_s: float) -> float:
-    """Requests of the domain that finished at or after this time count as drifted."""
-    return pending.fired_at - lookback_s
+def start_pending(
+    domain: str,
+    now: float,
+    lookback_s: float,
+    previous: PendingDomain | None = None,
+    continues: bool = False,
+) -> PendingDomain:
+    """A domain whose alert was just seen firing. Its requests from ``lookback_s`` before
+    now are drifted, unless the alert ``continues`` the ``previous`` drift (the draft
+    served was adapted for it, and it fires again: acceptance fell short of a baseline,
+    or below break-even); then the drift began when the previous one did, and the
+    requests before that stay the traffic not to forget."""
+    since = previous.since if continues and previous is not None else now - lookback_s
+    return PendingDomain(domain, fired_at=now, since=since)
 
 
 def should_run(
@@ -45,7 +59,6 @@ def should_run(
     now: float,
     *,
     min_requests: int,
-    lookback_s: float,
     retry_after_s: float,
     watching: bool,
 ) -> bool:
@@ -54,7 +67,7 @@ def should_run(
         return False
     if pending.last_run_at is not None and now - pending.last_run_at < retry_after_s:
         return False
-    since = drifted_since(pending, lookback_s)
+    since = pending.since
     recent = sum(1 for r in records if r.finished_at >= since)
     fresh = sum(
         1 for r in records if r.finished_at >= since and r.finished_at > pending.last_run_newest

@@ -72,7 +72,8 @@ def load_prompts(args) -> Prompts:
             out = model.generate(
                 torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0
             )
-            prompts.expected[(n, *ids)] = tok.decode(out[0, len(ids) :])
+            # (an EOS ends the server's completion and is not in its text)
+            prompts.expected[(n, *ids)] = tok.decode(out[0, len(ids) :], skip_special_tokens=True)
     return prompts
 
 
@@ -83,6 +84,7 @@ class Traffic:
         self.http, self.prompts, self.args = http, prompts, args
         self.kind = "python"
         self.tokens = self.requests = self.failed = self.mismatches = 0
+        self.examples: list[dict] = []  # the first mismatches, for whoever must explain them
         self.first_at: dict[str, float] = {}  # kind -> when its first request was sent
         self._next = 0
 
@@ -99,7 +101,11 @@ class Traffic:
                 continue
             text, usage, _ = got
             self.tokens += usage["completion_tokens"]
-            self.mismatches += text != self.prompts.expected[(self.args.max_tokens, *ids)]
+            expected = self.prompts.expected[(self.args.max_tokens, *ids)]
+            if text != expected:
+                self.mismatches += 1
+                if len(self.examples) < 10:
+                    self.examples.append({"kind": kind, "expected": expected, "got": text})
 
 
 async def complete(http, ids, max_tokens, domain, k):
@@ -225,16 +231,43 @@ async def timeline(server: Server, prompts: Prompts, args) -> dict:
             await phase(server, http, traffic, prompts, args, rows, "prose", recovered)
             traffic.kind = "python"
             await phase(server, http, traffic, prompts, args, rows, "python-after", after)
+            runs = (await server.adaptation.status.remote())["runs"]
+            versions = await server.adaptation.versions.remote()
         finally:
             for c in clients:
                 c.cancel()
     shift = traffic.first_at["prose"]
     for row in rows:
         row["t_s"] = round(row.pop("at") - shift, 1)
-    totals = {k: getattr(traffic, k) for k in ("requests", "failed", "mismatches")}
+    totals = {k: getattr(traffic, k) for k in ("requests", "failed", "mismatches", "examples")}
     totals["failed"] += sum(r["probe"]["failed"] for r in rows)
     totals["mismatches"] += sum(r["probe"]["mismatches"] for r in rows)
-    return {"startup_s": startup_s, "rows": rows, "totals": totals, **summarize(rows, args)}
+    summary = summarize(rows, args)
+    summary.update(recovered_when(rows, summary))
+    return {
+        "startup_s": startup_s,
+        "rows": rows,
+        "totals": totals,
+        **summary,
+        "runs": runs,
+        "versions": versions,
+    }
+
+
+def recovered_when(rows: list[dict], summary: dict) -> dict:
+    """Seconds after the shift of the first prose probe 60 % and 90 % of the way back."""
+    p, d = summary["pre_alpha"], summary["drifted_alpha"]
+    out = {"recovered_60_s": None, "recovered_90_s": None}
+    if p is None or d is None or p <= d:
+        return out
+    for row in rows:
+        alpha = row["probe"]["prose"]
+        if row["phase"] != "prose" or alpha is None:
+            continue
+        for share in (60, 90):
+            if out[f"recovered_{share}_s"] is None and (alpha - d) / (p - d) >= share / 100:
+                out[f"recovered_{share}_s"] = row["t_s"]
+    return out
 
 
 async def phase(server, http, traffic, prompts, args, rows, name, done) -> None:
@@ -280,7 +313,24 @@ def summarize(rows: list[dict], args) -> dict:
     out["python_after_alpha"] = later[-1]["probe"]["python"] if later else None
     p, d, n = out["pre_alpha"], out["drifted_alpha"], out["prose_alpha"]
     out["recovery"] = (n - d) / (p - d) if None not in (p, d, n) and p > d else None
+    out.update(serving_during_runs(shifted))
     return out
+
+
+def serving_during_runs(shifted: list[dict]) -> dict:
+    """Traffic tokens/s in the probe windows where a run was training, against the
+    windows after the shift before the first run (same traffic, same draft)."""
+    first = next((i for i, r in enumerate(shifted) if r["running"]), None)
+    if first is None or first == 0:
+        return {}
+    before = [r["tokens_per_s"] for r in shifted[:first]]
+    during = [r["tokens_per_s"] for r in shifted if r["running"]]
+    b, w = sum(before) / len(before), sum(during) / len(during)
+    return {
+        "tokens_per_s_before_runs": b,
+        "tokens_per_s_during_runs": w,
+        "during_over_before": w / b,
+    }
 
 
 def main() -> None:
