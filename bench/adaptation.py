@@ -3,6 +3,7 @@
     python -m bench.adaptation               # cluster/serve/demo-adaptive.yaml as shipped
     python -m bench.adaptation --control     # the same with adaptation off (set at start)
     python -m bench.adaptation --smoke       # a short run for CI (tests/adaptation/)
+    python -m bench.adaptation --serving-cost  # tokens/s while a run trains, interleaved
 
 A fresh application from ``cluster/serve/demo-adaptive.yaml`` (only its ports changed):
 the demo target with the Python-only drift draft, adaptation on. Clients send greedy
@@ -287,6 +288,52 @@ async def phase(server, http, traffic, prompts, args, rows, name, done) -> None:
             return
 
 
+async def serving_cost(server: Server, prompts: Prompts, args) -> dict:
+    """What a run costs serving: Python traffic's tokens/s in windows with no run, with
+    a run at the shipped ``niceness`` and with one at priority 0, interleaved. The runs
+    are on-demand with an unreachable ``min_gain`` (never deployed: one draft throughout)
+    and train longer than a window."""
+    base = f"http://127.0.0.1:{server.port}"
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        startup_s = server.deploy_s + await wait_healthy(http)
+        traffic = Traffic(http, prompts, args)
+        clients = [asyncio.create_task(traffic.client()) for _ in range(args.concurrency)]
+        windows: list[dict] = []
+        try:
+            await asyncio.sleep(args.window_s)  # warm, and requests retained to train on
+            for rep in range(args.reps):
+                for niceness in (None, server.config["adaptation"]["trainer"]["niceness"], 0):
+                    windows.append(await cost_window(server, traffic, args, niceness, rep))
+        finally:
+            for c in clients:
+                c.cancel()
+    out: dict = {"startup_s": startup_s, "windows": windows}
+    idle = [w["tokens_per_s"] for w in windows if w["niceness"] is None]
+    for nice in sorted({w["niceness"] for w in windows if w["niceness"] is not None}):
+        busy = [w["tokens_per_s"] for w in windows if w["niceness"] == nice]
+        out[f"training_nice_{nice}_over_idle"] = (sum(busy) / len(busy)) / (sum(idle) / len(idle))
+    out["totals"] = {k: getattr(traffic, k) for k in ("requests", "failed", "mismatches")}
+    return out
+
+
+async def cost_window(server, traffic, args, niceness, rep) -> dict:
+    """Traffic tokens/s over one window, with a run at ``niceness`` going (None: none)."""
+    run = None
+    if niceness is not None:
+        over = {"niceness": niceness, "min_gain": 10.0, "steps": 100_000}
+        over["max_seconds"] = args.window_s + 10
+        run = asyncio.ensure_future(server.adaptation.adapt.remote("python", over))
+        await asyncio.sleep(5)  # the task starts and loads the draft
+    tokens0, t0 = traffic.tokens, time.monotonic()
+    await asyncio.sleep(args.window_s)
+    rate = (traffic.tokens - tokens0) / (time.monotonic() - t0)
+    steps = None
+    if run is not None:
+        steps = (await run)["train"]["steps"]
+    print({"rep": rep, "niceness": niceness, "tokens_per_s": round(rate, 1), "steps": steps})
+    return {"rep": rep, "niceness": niceness, "tokens_per_s": rate, "train_steps": steps}
+
+
 def learnt(rows, args) -> bool:
     return rows[-1]["alert"] == "in_control"
 
@@ -350,24 +397,33 @@ def main() -> None:
     parser.add_argument("--after-s", type=float, default=180.0)
     parser.add_argument("--after-probes", type=int, default=3)
     parser.add_argument("--stop-at", type=float, default=1.0, help="recovery that ends it")
+    parser.add_argument(
+        "--serving-cost", action="store_true", help="tokens/s while runs train, not a timeline"
+    )
+    parser.add_argument("--window-s", type=float, default=25.0, help="--serving-cost")
+    parser.add_argument("--reps", type=int, default=3, help="--serving-cost")
     args = parser.parse_args()
     if args.smoke:
         args.probe_every_s, args.budget_s, args.after_probes = 8.0, 150.0, 1
         args.traffic_prompts, args.probe_prompts, args.max_tokens = 16, 2, 32
         args.probe_tokens, args.stop_at = 16, 0.6
     args.name = args.name or (
-        "adaptation" + ("_control" if args.control else "") + ("_smoke" if args.smoke else "")
+        "adaptation"
+        + ("_control" if args.control else "")
+        + ("_serving_cost" if args.serving_cost else "")
+        + ("_smoke" if args.smoke else "")
     )
     prompts = load_prompts(args)
     server = Server(args)
     try:
-        results = asyncio.run(timeline(server, prompts, args))
+        measure = serving_cost if args.serving_cost else timeline
+        results = asyncio.run(measure(server, prompts, args))
     finally:
         Server.stop()
     settings = {**vars(args), "config": str(CONFIG.relative_to(ROOT)), "app": server.config}
     settings["out"] = None if args.out is None else str(args.out)
     path = write_result(args.name, settings, results, directory=args.out)
-    plot(results, path.with_suffix(".png"), args)
+    (plot_cost if args.serving_cost else plot)(results, path.with_suffix(".png"), args)
     print({k: v for k, v in results.items() if k != "rows"})
 
 
@@ -400,6 +456,27 @@ def plot(results: dict, path: Path, args) -> None:
     b.legend(fontsize=8)
     title = "control: adaptation off" if args.control else "adaptation on"
     fig.suptitle(f"demo-adaptive.yaml, drift python -> prose ({title})")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_cost(results: dict, path: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = {None: "no run"}
+    for i, w in enumerate(results["windows"]):
+        label = labels.get(w["niceness"], f"run, nice {w['niceness']}")
+        ax.bar(i, w["tokens_per_s"], color=f"C{[None, 19, 0].index(w['niceness'])}", label=label)
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.set_ylabel("traffic tokens/s (python, 2 clients)")
+    ax.set_xlabel("window, in the order run")
+    ax.set_title("what an adaptation run costs serving (demo-adaptive.yaml)")
     fig.tight_layout()
     fig.savefig(path)
 
