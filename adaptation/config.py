@@ -71,9 +71,10 @@ class TrainerConfig(BaseModel):
     lookback_s: float = Field(
         default=30.0,
         ge=0.0,
-        description="A drifted domain's requests that finished this long before its alert "
-        "fired count as drifted too (the detector needs some rounds to fire); older ones "
-        "are the traffic from before the shift, replayed and scored apart.",
+        description="Where the monitor gives no change point for a drift (the detector's "
+        "estimate of when it began), the domain's requests that finished this long before "
+        "its alert fired count as drifted; older ones are the traffic from before the "
+        "shift, replayed and scored apart.",
     )
     retry_after_s: float = Field(
         default=120.0,

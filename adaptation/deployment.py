@@ -335,23 +335,28 @@ class AdaptationDeployment:
             except Exception as exc:  # the monitor restarting, say: next time
                 logger.warning("adaptation: no drift state from the monitor: %r", exc)
                 continue
-            firing = {d for d, st in status["domains"].items() if st["state"] == "firing"}
+            firing = {
+                d: st.get("drift_since")
+                for d, st in status["domains"].items()
+                if st["state"] == "firing"
+            }
             self._track(firing)
             if self.enabled and self.config.trainer.on_drift and not self._running():
                 self._start_due()
 
-    def _track(self, firing: set[str]) -> None:
+    def _track(self, firing: dict[str, float | None]) -> None:
+        """``firing``: each firing domain and its drift's change point (unix s, or None)."""
         now = self.buffer.now()
         for domain in [d for d in self._pending if d not in firing]:
             logger.info("adaptation: %r no longer drifts", domain)
             del self._pending[domain]
-        for domain in firing - self._pending.keys():
+        for domain in firing.keys() - self._pending.keys():
             logger.info("adaptation: %r drifts: pending a run", domain)
             current = self.history.current
             continues = current.origin == "trained" and current.domain == domain
             previous = self._episodes.get(domain)
             lookback = self.config.trainer.lookback_s
-            pending = start_pending(domain, now, lookback, previous, continues)
+            pending = start_pending(domain, now, lookback, previous, continues, firing[domain])
             self._pending[domain] = self._episodes[domain] = pending
 
     def _start_due(self) -> None:

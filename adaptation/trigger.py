@@ -43,13 +43,18 @@ def start_pending(
     lookback_s: float,
     previous: PendingDomain | None = None,
     continues: bool = False,
+    change_point: float | None = None,
 ) -> PendingDomain:
-    """A domain whose alert was just seen firing. Its requests from ``lookback_s`` before
-    now are drifted, unless the alert ``continues`` the ``previous`` drift (the draft
-    served was adapted for it, and it fires again: acceptance fell short of a baseline,
-    or below break-even); then the drift began when the previous one did, and the
-    requests before that stay the traffic not to forget."""
-    since = previous.since if continues and previous is not None else now - lookback_s
+    """A domain whose alert was just seen firing. Its requests that finished from the
+    detector's ``change_point`` on (where its CUSUM last stood at 0; without one,
+    ``lookback_s`` before now) are drifted, unless the alert ``continues`` the
+    ``previous`` drift (the draft served was adapted for it, and it fires again:
+    acceptance fell short of a baseline, or below break-even); then the drift began when
+    the previous one did, and the requests before that stay the traffic not to forget."""
+    if continues and previous is not None:
+        since = previous.since
+    else:
+        since = change_point if change_point is not None else now - lookback_s
     return PendingDomain(domain, fired_at=now, since=since)
 
 

@@ -339,8 +339,17 @@ def learnt(rows, args) -> bool:
 
 
 def recovered(rows, args) -> bool:
-    fraction = summarize(rows, args).get("recovery")
-    return fraction is not None and fraction >= args.stop_at
+    """``stop_at`` of the way back on the last ``hold_probes`` prose probes (held, not
+    touched once)."""
+    prose = [r for r in rows if r["phase"] == "prose"]
+    if len(prose) < args.hold_probes:
+        return False
+    pre = summarize(rows, args)
+    p, d = pre["pre_alpha"], pre["drifted_alpha"]
+    if p is None or d is None or p <= d:
+        return False
+    tail = [r["probe"]["prose"] for r in prose[-args.hold_probes :]]
+    return all(a is not None and (a - d) / (p - d) >= args.stop_at for a in tail)
 
 
 def after(rows, args) -> bool:
@@ -396,7 +405,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=900.0, help="after the shift")
     parser.add_argument("--after-s", type=float, default=180.0)
     parser.add_argument("--after-probes", type=int, default=3)
-    parser.add_argument("--stop-at", type=float, default=1.0, help="recovery that ends it")
+    parser.add_argument("--stop-at", type=float, default=0.9, help="recovery that ends it")
+    parser.add_argument("--hold-probes", type=int, default=3, help="... held this many probes")
     parser.add_argument(
         "--serving-cost", action="store_true", help="tokens/s while runs train, not a timeline"
     )
@@ -406,7 +416,7 @@ def main() -> None:
     if args.smoke:
         args.probe_every_s, args.budget_s, args.after_probes = 8.0, 150.0, 1
         args.traffic_prompts, args.probe_prompts, args.max_tokens = 16, 2, 32
-        args.probe_tokens, args.stop_at = 16, 0.6
+        args.probe_tokens, args.stop_at, args.hold_probes = 16, 0.6, 1
     args.name = args.name or (
         "adaptation"
         + ("_control" if args.control else "")

@@ -116,6 +116,7 @@ class MonitorDeployment:
                 "k": s.k,
                 "break_even": s.break_even,
                 "warmup_seen": s.warmup_seen,
+                "drift_since": self.monitor.drift_since(name),
             }
         return {
             "flushes": self.flushes,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,7 +24,7 @@ from opentelemetry._logs import SeverityNumber
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk.metrics import MeterProvider
 
-from monitoring.drift import DriftConfig, DriftEvent, DriftMonitor
+from monitoring.drift import DriftConfig, DriftEvent, DriftMonitor, DriftState
 from monitoring.metrics import SpecServeMetrics
 from monitoring.records import (
     AdaptationRecord,
@@ -52,6 +53,7 @@ class Monitor:
         logger_provider: LoggerProvider,
         drift: DriftConfig | None = None,
         on_drift: Callable[[DriftEvent, str], object] | None = None,
+        clock: Callable[[], float] = time.time,
     ):
         self.meter_provider, self.logger_provider = meter_provider, logger_provider
         self.metrics = SpecServeMetrics(meter_provider.get_meter(SCOPE))
@@ -70,6 +72,11 @@ class Monitor:
         # Cursors carry it: a restarted monitor numbers its alerts from 0 again, and a
         # replica's cursor from before must not skip (or replay) them.
         self.epoch = uuid.uuid4().hex[:12]
+        self.clock = clock
+        # domain -> the last report after which its forward CUSUM stood at 0 [unix s]: when
+        # it fires, the change point estimate (where the evidence against the baseline began)
+        self._calm_at: dict[str, float] = {}
+        self._drift_since: dict[str, float] = {}  # firing domain -> its change point [unix s]
 
     MAX_EVENTS = 1000
 
@@ -96,9 +103,23 @@ class Monitor:
         events = self.detector.observe(
             [r.domain for r in rounds], [r.drafted for r in rounds], [r.accepted for r in rounds]
         )
+        self._note_calm({r.domain for r in rounds})
         for event in events:
             self._alert(batch.model, event)
         return events
+
+    def _note_calm(self, domains: set[str]) -> None:
+        now = self.clock()
+        for domain in domains & set(self.detector.domains):
+            status = self.detector.status(domain)
+            if status.state is not DriftState.FIRING and status.statistic == 0.0:
+                self._calm_at[domain] = now
+
+    def drift_since(self, domain: str) -> float | None:
+        """When the firing ``domain``'s drift began, as Page's CUSUM estimates it: the
+        last report after which its statistic stood at 0 (unix seconds; None when it
+        does not fire). Adaptation takes the domain's requests from then on as drifted."""
+        return self._drift_since.get(domain)
 
     def report_request(self, record: RequestRecord) -> None:
         self.metrics.record_request(record)
@@ -145,8 +166,10 @@ class Monitor:
         self.events.append(event)
         if firing:
             self._firing[event.domain] = event.current
+            self._drift_since[event.domain] = self._calm_at.get(event.domain, self.clock())
         else:
             self._firing.pop(event.domain, None)
+            self._drift_since.pop(event.domain, None)
         if len(self.events) > self.MAX_EVENTS:
             del self.events[0]
             self._events_before += 1
@@ -188,7 +211,8 @@ class Monitor:
     def acknowledge(self, domain: str) -> None:
         """An operator accepts the new level: the domain learns a new baseline."""
         self.detector.acknowledge(domain)
-        self._firing.pop(domain, None)  # (no resolve follows: new replicas must not hear it)
+        self._firing.pop(domain, None)
+        self._drift_since.pop(domain, None)  # (no resolve follows: new replicas must not hear it)
 
     def new_draft_deployed(self) -> None:
         """A new draft changes every domain's acceptance: baselines are learnt again,

@@ -49,3 +49,8 @@ def test_run_data_keeps_the_periods_apart():
     assert len(data["prose"]) == 1
     only_new = run_data({"python": recs("python", [50])}, "python", 40.0)
     assert "python (before the drift)" not in only_new
+
+
+def test_the_detectors_change_point_marks_the_drifted_requests():
+    pending = start_pending("python", 100.0, lookback_s=30.0, change_point=93.5)
+    assert pending.since == 93.5  # not 70.0: the lookback is the fallback

@@ -333,3 +333,26 @@ def test_draft_versions_and_adaptation_outcomes_are_metrics_and_log_records(moni
     assert [r.severity_number for r in records][-1] == SeverityNumber.WARN
     assert records[1].attributes["specserve.outcome"] == "deployed"
     assert records[1].attributes["specserve.version"] == 1
+
+
+def test_a_firing_alert_says_when_the_drift_began():
+    """The change point is the last report after which the domain's CUSUM stood at 0:
+    reports before the drop, none after it (its evidence builds from the drop on)."""
+    now = [0.0]
+    mon = Monitor(MeterProvider(), LoggerProvider(), FAST, clock=lambda: now[0])
+    rng = np.random.default_rng(7)
+    t_drop, fired_at = None, None
+    for t in range(400):
+        now[0] = float(t)
+        alpha = 0.8 if t < 200 else 0.1
+        if t == 200:
+            t_drop = now[0]
+        events = mon.report(batch(rounds(rng, "python", alpha, 10)))
+        if any(e.kind == "fire" for e in events):
+            fired_at = now[0]
+            break
+    assert fired_at is not None and fired_at > t_drop
+    since = mon.drift_since("python")
+    assert t_drop - 5 <= since < t_drop + 1, (since, t_drop, fired_at)
+    assert mon.drift_since("prose") is None
+    mon.shutdown()
