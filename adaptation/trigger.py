@@ -4,7 +4,8 @@ A drift alert says a domain's traffic moved away from what the draft knows. The 
 fires some rounds after the shift, when the domain's retained requests are still mostly
 from before it: a run started at that instant would learn the old traffic again. So a
 firing domain is *pending*: it gets a run once ``min_requests`` of its requests finished
-after the shift (from ``lookback_s`` before the alert fired, the detector's delay), and
+after the shift (from the detector's change point, where its CUSUM last stood at 0;
+without one, ``lookback_s`` before the alert fired), and
 another, on newer requests, every ``retry_after_s`` while the alert keeps firing and no
 version deployed for it is still under its live check. The alert resolving ends it; an
 alert that fires again while the draft served is the one adapted for it continues the

@@ -65,8 +65,9 @@ def test_a_domain_with_too_few_requests_is_refused(tiny_draft, served):
         run(DraftSource(tiny_draft, "float32"), None, "zz", served, config())
 
 
+@pytest.mark.parametrize("which", ["tiny", "demo"])
 def test_a_draft_above_adapter_min_params_trains_adapters_and_ships_their_factors(
-    tiny_draft, served
+    tiny_draft, served, which
 ):
     """With ``adapter_min_params`` below the draft's size the run trains LoRA adapters
     (peft) on the linear layers (its loss falls; this shift needs the output layer, which
@@ -75,7 +76,10 @@ def test_a_draft_above_adapter_min_params_trains_adapters_and_ships_their_factor
     full weights the run also keeps (for rollbacks, exports, replicas elsewhere)."""
     from specdec.low_rank import LowRankUpdate
 
-    source = DraftSource(tiny_draft, "bfloat16")
+    from tests.conftest import DEMO_DRAFT
+
+    draft = tiny_draft if which == "tiny" else DEMO_DRAFT  # (the demo draft: 0.74 M params)
+    source = DraftSource(draft, "bfloat16")
     cfg = config(min_gain=0.0, max_loss=1.0, adapter_min_params=1, lora_rank=4, lr=1e-2)
     result = run(source, None, "d", served, cfg, base_version=3)
     assert result.train["last_loss"] < result.train["first_loss"] - 0.1, result.train
@@ -84,7 +88,7 @@ def test_a_draft_above_adapter_min_params_trains_adapters_and_ships_their_factor
     assert update.factors and all(a.shape[0] == 4 for a, _ in update.factors.values())
     assert "lm_head.weight" not in update.factors
     assert result.summary()["adapters"]["tensors"] == len(update.factors)
-    runner = ModelRunner(tiny_draft, dtype="bfloat16")
+    runner = ModelRunner(draft, dtype="bfloat16")
     untouched = {k: v.clone() for k, v in runner.model.state_dict().items()}
     runner.add_low_rank(update)
     for name, value in runner.model.state_dict().items():
