@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from adaptation.config import TrainerConfig
 from bench.common import write_result
 from bench.distill import split_prompts
 
@@ -299,10 +300,12 @@ async def serving_cost(server: Server, prompts: Prompts, args) -> dict:
         traffic = Traffic(http, prompts, args)
         clients = [asyncio.create_task(traffic.client()) for _ in range(args.concurrency)]
         windows: list[dict] = []
+        trainer = server.config["adaptation"]["trainer"]
+        shipped_niceness = TrainerConfig(**trainer).niceness
         try:
             await asyncio.sleep(args.window_s)  # warm, and requests retained to train on
             for rep in range(args.reps):
-                for niceness in (None, server.config["adaptation"]["trainer"]["niceness"], 0):
+                for niceness in (None, shipped_niceness, 0):
                     windows.append(await cost_window(server, traffic, args, niceness, rep))
         finally:
             for c in clients:
@@ -480,7 +483,8 @@ def plot_cost(results: dict, path: Path, args) -> None:
     labels = {None: "no run"}
     for i, w in enumerate(results["windows"]):
         label = labels.get(w["niceness"], f"run, nice {w['niceness']}")
-        ax.bar(i, w["tokens_per_s"], color=f"C{[None, 19, 0].index(w['niceness'])}", label=label)
+        color = "C0" if w["niceness"] is None else ("C2" if w["niceness"] == 0 else "C1")
+        ax.bar(i, w["tokens_per_s"], color=color, label=label)
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles, strict=True))
     ax.legend(unique.values(), unique.keys(), fontsize=8)

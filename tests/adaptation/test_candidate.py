@@ -75,7 +75,6 @@ def test_a_draft_above_adapter_min_params_trains_adapters_and_ships_their_factor
     the version it started from, which a runner of that version merges into exactly the
     full weights the run also keeps (for rollbacks, exports, replicas elsewhere)."""
     from specdec.low_rank import LowRankUpdate
-
     from tests.conftest import DEMO_DRAFT
 
     draft = tiny_draft if which == "tiny" else DEMO_DRAFT  # (the demo draft: 0.74 M params)
