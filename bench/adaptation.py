@@ -152,6 +152,8 @@ def app_args(args) -> tuple[str, str, dict]:
     cfg["monitoring"]["prometheus_port"] = free_port()
     if args.control:
         cfg["adaptation"]["enabled"] = False
+    if args.serving_cost:  # the runs measured are the only ones (no drift-started run)
+        cfg["adaptation"]["trainer"]["on_drift"] = False
     if args.smoke:  # minutes, not a quarter of an hour: eager models, short warm-up and runs
         for model in ("target", "draft"):
             cfg["engine"][model]["execution_mode"] = "eager"
