@@ -105,6 +105,11 @@ def _export_task(source, weights, directory):
     return sorted(os.listdir(directory))
 
 
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("adaptation background task failed", exc_info=task.exception())
+
+
 @serve.deployment(
     num_replicas=1,
     max_ongoing_requests=1024,
@@ -513,9 +518,12 @@ class AdaptationDeployment:
             return
 
     def _spawn(self, coro) -> None:
+        """Run ``coro`` in the background; an exception that ends it is logged (a live
+        check or a loop must never stop without a word)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
 
     def _event(self, outcome: str, domain: str, reason: str, *, gain=None, tokens=0, seconds=0.0):
         """An outcome to the monitor (metrics and a log record), off the caller's path."""
