@@ -224,8 +224,10 @@ def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_version
         _wait_for("retained", lambda: len(store.records.remote("python").result()) >= 4)
         assert store.adapt.remote("python").result()["outcome"] == "deployed"
     # Traffic until the version served has live python rounds and no watch is pending
-    # (a version trained with the verdict off may be rolled back itself meanwhile).
-    for _ in range(10):
+    # (a version trained with the verdict off may be rolled back itself meanwhile; a
+    # rollback to version 0 first loads the checkpoint in a task: a worker to start).
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
         v1 = store.served_version.remote().result()
         served(v1)
         traffic()
