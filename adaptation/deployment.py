@@ -274,8 +274,7 @@ class AdaptationDeployment:
     def _forget_unused_weights(self) -> None:
         """Weights stay in the object store for the newest KEEP_WEIGHTS versions (and
         the one served); older versions keep their record only."""
-        recent = self.history.versions[-KEEP_WEIGHTS:]
-        keep = {v.weights_of for v in recent} | {self.history.current.weights_of}
+        keep = self.history.weights_in_use(recent=KEEP_WEIGHTS)
         for version in [v for v in self._refs if v not in keep]:
             del self._refs[version]
         for version in [v for v in self._updates if v != self.history.current.version]:

@@ -87,9 +87,11 @@ class VersionHistory:
         why = f"the adaptation deployment restarted; versions up to {newest} were lost"
         return self._add(DraftVersion(newest + 1, 0, "rolled_back", None, self.clock(), why))
 
-    def weights_in_use(self) -> set[int]:
-        """The versions whose weights some kept version serves (what must stay stored)."""
-        return {v.weights_of for v in self.versions}
+    def weights_in_use(self, recent: int | None = None) -> set[int]:
+        """The versions whose weights the newest ``recent`` versions (None: every kept
+        one) or the one served serve: what must stay stored."""
+        kept = self.versions if recent is None else self.versions[-recent:]
+        return {v.weights_of for v in kept} | {self.current.weights_of}
 
     def _add(self, v: DraftVersion) -> DraftVersion:
         self.versions.append(v)

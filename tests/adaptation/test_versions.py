@@ -32,6 +32,7 @@ def test_the_history_is_bounded_and_keeps_version_0():
     assert h.weights_in_use() == {0, 8, 9, 10}
     h.add_rollback(h.rollback_target(9), "x")
     assert h.weights_in_use() == {0, 9, 10}  # version 8 left the history, 11 serves 9's
+    assert h.weights_in_use(recent=2) == {9, 10}  # 10 and 11 (9's weights)
 
 
 def test_a_restarted_history_serves_the_deployed_draft_above_what_replicas_serve():
