@@ -458,13 +458,20 @@ class SpeculationLength:
         return alpha is None or 1.0 / max(1e-9, 1.0 - alpha) >= 1.0 + self.min_gain
 
     def round_time(self, batch_size: int, k: int) -> float | None:
-        """Predicted round time at draft length k (None until the bucket has data)."""
+        """Predicted round time at draft length k (None until the bucket has data).
+
+        Never below the round time at k = 0: a round that drafts verifies more tokens
+        and waits for drafts, so a k > 0 measured faster is noise (cold first rounds at
+        k = 0, a busy host), and believing it would make drafting look like it pays at
+        an acceptance of 0, where every round commits one token whatever k is."""
         c = self._costs.get(batch_bucket(batch_size))
         if c is None or not c.seconds:
             return None
+        t0 = c.seconds.get(0)
         if k == 0:
-            return c.seconds.get(0)
-        return _interpolate(c.seconds, k)
+            return t0
+        t = _interpolate(c.seconds, k)
+        return t if t is None or t0 is None else max(t, t0)
 
     def drafts_per_row(self, batch_size: int, k: int) -> float:
         """The drafts a drafting row is expected to get when k is asked for: measured in

@@ -74,7 +74,6 @@ def test_a_draft_above_adapter_min_params_trains_adapters_and_ships_their_factor
     adapters leave alone, so it gains little here), and what it ships is the factors over
     the version it started from, which a runner of that version merges into exactly the
     full weights the run also keeps (for rollbacks, exports, replicas elsewhere)."""
-    pytest.importorskip("peft", reason="optional adapters extra (not in dev: test_serve_engine)")
     from specdec.low_rank import LowRankUpdate
     from tests.conftest import DEMO_DRAFT
 

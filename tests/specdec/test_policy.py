@@ -265,6 +265,21 @@ def test_a_drift_alert_changes_the_choice_at_once():
     assert policy.alpha("d") == pytest.approx(0.2)
 
 
+def test_drafting_measured_cheaper_than_plain_rounds_never_pays_at_acceptance_zero():
+    """Cold first rounds at k = 0 (or a busy host) can measure a k > 0 round faster than
+    a plain one. At α̂ = 0 every round commits one token whatever k is, so that noise
+    must not bring drafting back after an alert said 0 (it did: test_engine's
+    length-policy test, whenever imports made the first k = 0 rounds slower)."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4, gate=None))
+    _costs(policy, 1, lambda b, k: 1.0 if k == 0 else 0.8 + 0.01 * k)
+    _feed(policy, "d", 0.9, 400)
+    assert policy.choose("d", 1) > 0
+    policy.on_drift("d", current_alpha=0.0)
+    assert policy.choose("d", 1) == 0
+    assert policy.round_time(1, 1) == policy.round_time(1, 0) == 1.0
+    assert policy.round_time_ratios(1) == {k: 1.0 for k in range(1, 5)}
+
+
 def test_a_wrong_goodput_model_would_be_caught():
     """Power check: a policy that ignored the measured costs (picking k from acceptance
     alone) would keep k at batch 32; the goodput policy does not."""
