@@ -192,7 +192,8 @@ class SpecServeDeployment:
         """Token-level streaming for Python handles (benchmarks, tests).
 
         ``request``: ``prompt_token_ids``, ``params`` (SamplingParams fields), and optional
-        ``num_speculative_tokens``, ``speculation`` (bool), ``request_id`` and ``domain``.
+        ``num_speculative_tokens``, ``speculation`` (bool), ``method`` (the proposer),
+        ``request_id`` and ``domain``.
         """
         params = SamplingParams(**request.get("params", {}))
         async for out in self.engine.generate(
@@ -200,6 +201,7 @@ class SpecServeDeployment:
             params,
             num_speculative_tokens=request.get("num_speculative_tokens"),
             speculation=request.get("speculation", True),
+            method=request.get("method"),
             request_id=request.get("request_id"),
             domain=self.domains.bound(request.get("domain")),
         ):

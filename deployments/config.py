@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -172,6 +172,15 @@ class WorkerResources(_Strict):
         return value
 
 
+class DraftPlan(NamedTuple):
+    """How one request is drafted (:meth:`SpeculationConfig.draft_plan`)."""
+
+    k: int  # drafts per round; with auto_k, the most the length policy may choose [tokens]
+    auto_k: bool  # the length policy chooses the draft model's k each round
+    method: str  # "draft_model" or "ngram"; with auto_method, the one used until measured
+    auto_method: bool  # the proposer choice picks the proposer per domain and batch size
+
+
 class SpeculationConfig(_Strict):
     """How drafts are produced and how many per round."""
 
@@ -233,20 +242,81 @@ class SpeculationConfig(_Strict):
         "(specdec/speculation_gate.py). False: the per-row prediction alone decides.",
     )
 
-    def draft_length(
-        self, enabled: bool, requested_k: int | None, seeded: bool, has_draft: bool
-    ) -> tuple[int, bool]:
-        """The auto-k rule, the one place it lives: a request's draft length and whether the
-        length policy chooses it each round (``auto``; then ``k`` is its upper bound).
+    proposers: list[Literal["draft_model", "ngram"]] = Field(
+        default=["draft_model"],
+        min_length=1,
+        description="Where drafts may come from for requests that name no proposer: "
+        "'draft_model' (the draft model, its k chosen by the length policy) and 'ngram' "
+        "(prompt lookup: the tokens that followed the latest earlier occurrence of the "
+        "sequence's last n tokens; no model, pays on repetitive text such as code edits "
+        "and answers quoting their documents). With both and policy 'goodput', each "
+        "traffic domain and batch size gets the one whose rows measured more committed "
+        "tokens per second (specdec/proposer_choice.py); else the first listed. A request "
+        "may name either (speculation.method), listed or not.",
+    )
+    ngram_max: int = Field(
+        default=4, ge=1, le=16, description="'ngram': the longest suffix looked up [tokens]."
+    )
+    ngram_min: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="'ngram': the shortest suffix looked up; shorter matches propose "
+        "nothing (the row decodes plainly that round) [tokens].",
+    )
 
-        The request's own k wins. A seeded request keeps the fixed k: which positions
-        carry drafts changes the draws, and the policy's choices depend on timing, so its
-        output would not repeat. Speculation off, or no draft: k = 0, never auto.
+    @model_validator(mode="after")
+    def _check_proposers(self):
+        if len(set(self.proposers)) != len(self.proposers):
+            raise ValueError(f"proposers lists one twice: {self.proposers}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"
+            )
+        return self
+
+    def draft_plan(
+        self,
+        enabled: bool,
+        requested_k: int | None,
+        seeded: bool,
+        has_draft: bool,
+        method: str | None = None,
+    ) -> DraftPlan:
+        """The rule for a request's drafting, the one place it lives: its proposer, its
+        draft length, and whether policies choose them round by round.
+
+        * Speculation off: k = 0.
+        * A named proposer is used, at the request's k or the configured one; a request
+          that fixes k without naming one is drafted by the draft model. Only the draft
+          model's k is ever the length policy's (n-gram drafts cost no model pass).
+        * Else the first of ``proposers`` that can draft (the draft model needs a draft);
+          with policy 'goodput' the length policy chooses k (``auto_k``; ``k`` is then its
+          upper bound) and, with more than one usable proposer, the proposer choice picks
+          per domain and batch size (``auto_method``).
+        * A seeded request keeps its proposer and k fixed: which positions carry drafts
+          changes the draws, and the policies' choices depend on timing, so its output
+          would not repeat.
         """
-        if not enabled or not has_draft:
-            return 0, False
+        off = DraftPlan(0, False, "draft_model", False)
+        if not enabled:
+            return off
         k = self.num_speculative_tokens if requested_k is None else requested_k
-        return k, requested_k is None and self.policy == "goodput" and not seeded
+        if method is None and requested_k is not None:
+            method = "draft_model"
+        if method is not None:
+            if method == "draft_model" and not has_draft:
+                return off
+            auto_k = method == "draft_model" and requested_k is None and self._policy_on(seeded)
+            return DraftPlan(k, auto_k, method, False)
+        usable = [m for m in self.proposers if m != "draft_model" or has_draft]
+        if not usable:
+            return off
+        auto = self._policy_on(seeded)
+        return DraftPlan(k, auto and "draft_model" in usable, usable[0], auto and len(usable) > 1)
+
+    def _policy_on(self, seeded: bool) -> bool:
+        return self.policy == "goodput" and not seeded
 
 
 class SchedulerConfig(_Strict):

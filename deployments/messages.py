@@ -42,6 +42,7 @@ import msgspec
 import numpy as np
 
 from specdec.policy import LengthPolicyConfig
+from specdec.proposer_choice import ProposerChoiceConfig
 from specdec.qcodec import CompactQ
 from specdec.stats import RowOutcome, SpecCounts
 
@@ -84,6 +85,8 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     num_speculative_tokens: int  # k per round; with ``auto_k``, its upper bound
     domain: str  # the traffic domain (policy and telemetry key)
     auto_k: bool  # the length policy chooses k each round
+    method: str = "draft_model"  # the proposer: "draft_model" or "ngram" (no draft involved)
+    auto_method: bool = False  # the proposer choice picks it per round (method: the first)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -232,6 +235,10 @@ class EngineCoreConfig(msgspec.Struct, frozen=True):
     telemetry: bool = False  # keep round records for drain_telemetry (a monitor runs)
     colocated_draft: ColocatedDraftConfig | None = None  # None: a draft actor connects
     cpu_affinity: list[int] | None = None  # [cores] the loop thread runs on (None: any)
+    # None: each request keeps its proposer; else the per-domain choice between them
+    proposer_choice: ProposerChoiceConfig | None = None
+    ngram_max: int = 4  # n-gram lookup: the longest suffix matched [tokens]
+    ngram_min: int = 1  # ... the shortest [tokens]
 
 
 class DraftWorkerConfig(msgspec.Struct, frozen=True):

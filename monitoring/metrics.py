@@ -154,7 +154,7 @@ class SpecServeMetrics:
         for r in batch.rounds:
             if r.drafted <= 0:
                 continue
-            attrs = {**base, "domain": r.domain}
+            attrs = {**base, "domain": r.domain, "proposer": r.proposer}
             self.num_drafts.add(1, attrs)
             self.num_draft_tokens.add(r.drafted, attrs)
             self.num_accepted_tokens.add(r.accepted, attrs)

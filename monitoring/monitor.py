@@ -91,7 +91,9 @@ class Monitor:
             if k is not None:
                 be = self._break_even(k, ratios.get(k))
                 self.metrics.set_policy(batch.model, batch.replica, domain, k, be)
-        rounds = [r for r in batch.rounds if r.drafted > 0]
+        # The detector and the per-version counts watch the draft model: n-gram lookup
+        # has no weights to drift or adapt (its rounds are in the metrics, by proposer).
+        rounds = [r for r in batch.rounds if r.drafted > 0 and r.proposer == "draft_model"]
         if not rounds:
             return []
         self.versions.observe(

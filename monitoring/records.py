@@ -30,6 +30,8 @@ class RoundRecord:
     accepted: int  # of them accepted (a rejection happened iff accepted < drafted)
     cache_hit: bool = False  # the drafts were prepared while the previous round verified
     draft_version: int = 0  # the draft weights' version that drafted them (0: as deployed)
+    # "draft_model" or "ngram" (lookup: no draft weights, so no drift of theirs to watch)
+    proposer: str = "draft_model"
 
 
 @dataclass(frozen=True)

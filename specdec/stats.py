@@ -44,29 +44,42 @@ class SpecCounts:
     rounds: int = 0  # rounds that carried drafts
     rejections: int = 0  # ... that ended in a rejection (R)
     cache_hits: int = 0  # ... whose drafts were prepared ahead (speculation-cache hits)
+    # Of the above, what n-gram lookup drafted (the rest: the draft model).
+    ngram_drafted: int = 0  # [tokens]
+    ngram_accepted: int = 0  # [tokens]
+    ngram_rounds: int = 0
 
-    def observe(self, drafted: int, accepted: int, cache_hit: bool) -> None:
-        """One drafted row of one round (a row without drafts is not observed)."""
+    def observe(self, drafted: int, accepted: int, cache_hit: bool, ngram: bool = False) -> None:
+        """One drafted row of one round (a row without drafts is not observed);
+        ``ngram``: its drafts came from n-gram lookup, not the draft model."""
         self.drafted += drafted
         self.accepted += accepted
         self.rounds += 1
         self.rejections += int(accepted < drafted)
         self.cache_hits += int(cache_hit)
+        if ngram:
+            self.ngram_drafted += drafted
+            self.ngram_accepted += accepted
+            self.ngram_rounds += 1
 
-    def __reduce__(self):  # pickled as a tuple: it rides on every output message
-        return SpecCounts, (
+    def _fields(self) -> tuple[int, ...]:
+        return (
             self.drafted,
             self.accepted,
             self.rounds,
             self.rejections,
             self.cache_hits,
+            self.ngram_drafted,
+            self.ngram_accepted,
+            self.ngram_rounds,
         )
+
+    def __reduce__(self):  # pickled as a tuple: it rides on every output message
+        return SpecCounts, self._fields()
 
     def copy(self) -> SpecCounts:
         """A snapshot (for a message: the counts go on changing here)."""
-        return SpecCounts(
-            self.drafted, self.accepted, self.rounds, self.rejections, self.cache_hits
-        )
+        return SpecCounts(*self._fields())
 
     def add(self, other: SpecCounts) -> None:
         self.drafted += other.drafted
@@ -74,6 +87,9 @@ class SpecCounts:
         self.rounds += other.rounds
         self.rejections += other.rejections
         self.cache_hits += other.cache_hits
+        self.ngram_drafted += other.ngram_drafted
+        self.ngram_accepted += other.ngram_accepted
+        self.ngram_rounds += other.ngram_rounds
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,6 +115,8 @@ class RowOutcome:
             self.committed,
             self.asked_planned,
             self.draft_version,
+            self.method,
+            self.auto_method,
         )
 
     domain: str  # the traffic domain (policy and telemetry key)
@@ -108,6 +126,8 @@ class RowOutcome:
     committed: int  # tokens the round appended to the row's output (after stops) [tokens]
     asked_planned: bool  # it asked for the round's planned k (its cost says something of it)
     draft_version: int = 0  # the draft weights' version that drafted it (0: as deployed)
+    method: str = "draft_model"  # its proposer this round: "draft_model" or "ngram"
+    auto_method: bool = False  # the proposer choice chose it (its goodput is measured)
 
 
 @dataclass(slots=True)
@@ -127,6 +147,9 @@ class RoundStats:
     draft_wait_s: float = 0.0  # waiting for drafts (speculation-cache misses) [s]
     verify_s: float = 0.0  # the target's pass plus verification [s]
     draft_timeouts: int = 0  # rows that waited for drafts in vain
+    # rows drafted by n-gram lookup: their verification is in the round's time, so it
+    # says nothing clean of what the draft model's k costs, nor of drafting's goodput
+    ngram_rows: int = 0
     rows: list[RowOutcome] = field(default_factory=list)  # rows that committed
 
     @property

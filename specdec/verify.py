@@ -45,6 +45,10 @@ class VerifyRow:
     # only when ``needs_history(params)``.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # The drafts are deterministic (n-gram lookup): q = δ at each draft, so a sampled row
+    # accepts draft x with probability p(x) and recovers from p without x. ``draft_probs``
+    # is then None: a one-hot q would cost a vocabulary per draft for nothing.
+    point_mass: bool = False
 
 
 def _with_history(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> torch.Tensor:
@@ -108,6 +112,10 @@ def _verify_sampled(logits, rows, sampled, results) -> None:
         n = counts[row]
         if n:
             draft_ids[row, :n] = torch.tensor(drafts, dtype=torch.long, device=host)
+            if rows[i].point_mass:
+                positions = torch.arange(n, device=dev)
+                draft_probs[row, positions, draft_ids[row, :n].to(dev)] = 1.0
+                continue
             if q is None:
                 raise ValueError("a sampled row with drafts needs their draft probabilities")
             q = q.weights(dev) if isinstance(q, CompactQ) else torch.as_tensor(q, device=dev)

@@ -65,7 +65,8 @@ from deployments.workers.model_loader import (
     worker_info,
 )
 from specdec.policy import SpeculationLength
-from specdec.proposers import DraftModelProposer
+from specdec.proposer_choice import ProposerChoice
+from specdec.proposers import DraftModelProposer, ngram_propose
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 from specdec.speculation_cache import SpeculativeDrafter
@@ -105,12 +106,15 @@ class EngineCore:
         )
         # k per domain and batch size for requests that do not set their own (None: fixed).
         policy = SpeculationLength(config.length_policy) if config.length_policy else None
+        choice = ProposerChoice(config.proposer_choice) if config.proposer_choice else None
         self.scheduler = Scheduler(
             config.max_num_seqs,
             self.runner.max_model_len,
             draft_max_model_len or self.runner.max_model_len,
             policy,
+            choice,
         )
+        self.ngram_max, self.ngram_min = config.ngram_max, config.ngram_min
         self._policy_state: dict[str, dict] = {}  # the policy's choices, for drain_telemetry
         self._policy_state_at = float("-inf")  # when the loop last published them
         self._drift: list[DriftAlert] = []  # drift alerts for the policy, from calls
@@ -418,7 +422,7 @@ class EngineCore:
             seq = self.scheduler.running[sid]
             if seq.state.finished:
                 self._free(sid)
-            elif seq.k > 0 and (item := self.scheduler.draft_item(seq)) is not None:
+            elif (item := self.scheduler.next_round(seq)) is not None:
                 items.append(item)
         if items or freed:
             self._message(items, freed)
@@ -484,7 +488,16 @@ class EngineCore:
         )
         state.output_token_ids = list(req.output_token_ids)
         self.runner.add(req.request_id)
-        seq = RunningSeq(state, req.num_speculative_tokens, domain=req.domain, auto=req.auto_k)
+        k, ngram = req.num_speculative_tokens, req.method == "ngram"
+        seq = RunningSeq(
+            state,
+            0 if ngram and not req.auto_method else k,  # (0: the draft never hears of it)
+            domain=req.domain,
+            auto=req.auto_k,
+            ngram_k=k if ngram or req.auto_method else 0,
+            auto_method=req.auto_method,
+            method=req.method,
+        )
         # A resumed request already has its newest token: it is fed next round.
         return seq, state.token_ids if not req.output_token_ids else state.token_ids[:-1]
 
@@ -599,6 +612,7 @@ class EngineCore:
             # round's time says what resuming costs, not what a round at planned_k does.
             resuming=any(seq.resuming and seq.k_next > 0 for seq in seqs),
             policy_rows=bool(seqs) and all(seq.auto for seq in seqs),
+            ngram_rows=sum(seq.ngram_next > 0 for seq in seqs),
             draft_wait_s=got.waited_s,
             draft_timeouts=len(got.timed_out) if got.had_draft else 0,
         )
@@ -610,12 +624,19 @@ class EngineCore:
         """One verification row per sequence: its drafts (cut to the k it asked for)."""
         batch = []
         for seq in seqs:
+            st = seq.state
+            gen = st.verify_generator_at(len(st.prompt_token_ids) + len(st.output_token_ids))
+            if seq.ngram_next > 0:  # looked up here: deterministic, so q is a point mass
+                tokens = ngram_propose(st.token_ids, seq.ngram_next, self.ngram_max, self.ngram_min)
+                row = VerifyRow(
+                    st.params, tokens, None, gen, st.prompt_token_ids, st.output_token_ids, True
+                )
+                batch.append((seq.seq_id, [st.last_token_id, *tokens], row))
+                continue
             draft = found.get(seq.seq_id)
             tokens = draft.token_ids if draft is not None else []
             k = min(len(tokens), seq.k_next)
             q = None if draft is None or draft.q is None else draft.q.head(k)
-            st = seq.state
-            gen = st.verify_generator_at(len(st.prompt_token_ids) + len(st.output_token_ids))
             row = VerifyRow(st.params, tokens[:k], q, gen, st.prompt_token_ids, st.output_token_ids)
             batch.append((seq.seq_id, [st.last_token_id, *tokens[:k]], row))
         return batch
@@ -670,8 +691,8 @@ class EngineCore:
                 self._free(st.seq_id)
                 if seq.k > 0:
                     freed.append(st.seq_id)
-            elif seq.k > 0 and (item := sched.draft_item(seq)) is not None:
-                items.append(item)  # target-only requests never concern the draft
+            elif (item := sched.next_round(seq)) is not None:
+                items.append(item)  # target-only and n-gram rows never concern the draft
         for sid in sched.take_dropped():  # drafts prepared for rows that left the draft
             self.link.drop_pushes(sid)  # are worthless
             freed.append(sid)
@@ -681,14 +702,26 @@ class EngineCore:
     def _count(seq, stats, row, accepted, draft, kept, k_asked) -> None:
         """One row's outcome: into the round's stats and the request's counts."""
         drafted = len(row.draft_token_ids)
-        hit = draft is not None and draft.speculative
+        ngram = row.point_mass
+        hit = not ngram and draft is not None and draft.speculative
         asked_planned = bool(stats.planned_k) and k_asked == stats.planned_k
-        version = draft.draft_version if draft is not None else 0
+        version = draft.draft_version if draft is not None and not ngram else 0
+        method = "ngram" if ngram else "draft_model"
         stats.rows.append(
-            RowOutcome(seq.domain, drafted, accepted, hit, kept, asked_planned, version)
+            RowOutcome(
+                seq.domain,
+                drafted,
+                accepted,
+                hit,
+                kept,
+                asked_planned,
+                version,
+                method,
+                seq.auto_method,
+            )
         )
         if drafted:
-            seq.counts.observe(drafted, accepted, hit)
+            seq.counts.observe(drafted, accepted, hit, ngram)
 
     def _record(self, stats: RoundStats) -> None:
         """The round's stats to the timings, the policy and (kept) the monitor."""

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from deployments.messages import DraftItem, DraftRestart, DriftAlert, EngineCoreRequest
 from specdec.policy import SpeculationLength
+from specdec.proposer_choice import ProposerChoice
 from specdec.sequence import SequenceState
 from specdec.stats import RoundStats, SpecCounts
 
@@ -40,6 +41,13 @@ class RunningSeq:
     paused: bool = False  # ... PAUSE_AFTER_ROUNDS of them: the draft was told to free it
     resuming: bool = False  # sent in full after a pause: its next drafts start with a prefill
     counts: SpecCounts = field(default_factory=SpecCounts)  # its speculation so far
+    # n-gram lookup: its k (0: never; a row drafted only by lookup has k = 0, so the
+    # draft never hears of it), and whether the proposer choice picks between the two
+    ngram_k: int = 0
+    auto_method: bool = False
+    method: str = "draft_model"  # its proposer unless the choice picks one
+    method_next: str = "draft_model"  # the proposer of its next round
+    ngram_next: int = 0  # n-gram drafts looked up for its next round (at most)
 
     @property
     def seq_id(self) -> Hashable:
@@ -55,11 +63,13 @@ class Scheduler:
         max_model_len: int,
         draft_max_model_len: int,
         policy: SpeculationLength | None = None,
+        choice: ProposerChoice | None = None,
     ):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.draft_max_model_len = draft_max_model_len
         self.policy = policy
+        self.choice = choice  # the proposer per domain and batch size (None: each keeps its)
         self.draft_version = 0  # the newest draft weights' version seen in a round
         self.waiting: list[EngineCoreRequest] = []  # in arrival order
         self.running: dict[Hashable, RunningSeq] = {}
@@ -98,10 +108,44 @@ class Scheduler:
 
     # ----- draft lengths ----------------------------------------------------------------------
 
+    def next_round(self, seq: RunningSeq) -> DraftItem | None:
+        """Choose the row's proposer and draft lengths for its next round; returns what
+        the draft needs for it (None: nothing, e.g. a row drafted by n-gram lookup)."""
+        seq.method_next = self._method_for(seq)
+        seq.ngram_next = self._ngram_k_for(seq) if seq.method_next == "ngram" else 0
+        if seq.k <= 0:
+            seq.k_next = 0
+            return None
+        return self.draft_item(seq)
+
+    def _method_for(self, seq: RunningSeq) -> str:
+        """The row's proposer: its own, or the choice's for its domain and batch size (a
+        cost measurement of the length policy runs every policy row on the draft model)."""
+        if not seq.auto_method or self.choice is None:
+            return seq.method
+        if not self.has_draft:
+            return "ngram"
+        if self.forced is not None:
+            return "draft_model"
+        return self.choice.choose(seq.domain, len(self.running))
+
+    def _ngram_k_for(self, seq: RunningSeq) -> int:
+        """n-gram drafts for the next round: the row's k, within max_tokens and context."""
+        st = seq.state
+        length = len(st.prompt_token_ids) + len(st.output_token_ids)
+        return max(
+            0,
+            min(
+                seq.ngram_k,
+                st.params.max_tokens - len(st.output_token_ids) - 1,
+                self.max_model_len - length,
+            ),
+        )
+
     def k_for(self, seq: RunningSeq) -> int:
         """Draft length for the next round: the request's k or the policy's choice, never
-        past max_tokens or either model's context."""
-        if not self.has_draft or seq.k <= 0:
+        past max_tokens or either model's context (0 in a round of n-gram drafts)."""
+        if not self.has_draft or seq.k <= 0 or seq.method_next == "ngram":
             return 0
         k = seq.k
         if seq.auto:
@@ -182,11 +226,14 @@ class Scheduler:
     def new_draft(self, version: int) -> None:
         """Draft weights ``version`` serve (told by the frontend, or seen in a round's
         drafts): if newer, acceptance is learnt again (SpeculationLength.new_draft), so a
-        domain the old draft lost speculation on drafts again at once."""
+        domain the old draft lost speculation on drafts again at once, and the draft
+        model's goodput against n-gram lookup is measured again."""
         if version > self.draft_version:
             self.draft_version = version
             if self.policy is not None:
                 self.policy.new_draft()
+            if self.choice is not None:
+                self.choice.new_draft()
 
     def plan_round(self, batch_size: int, alerts: list[DriftAlert]) -> None:
         """Before the next round's draft lengths are chosen: drift alerts that came in,
@@ -204,13 +251,15 @@ class Scheduler:
         began with a prefill) what a round of its batch size at its planned k cost and
         delivered, from the rows that asked for the planned k (rows asking fewer say
         nothing of it)."""
+        self._observe_proposers(stats)
         if self.policy is None:
             return
-        self.new_draft(max((row.draft_version for row in stats.drafted_rows), default=0))
-        for row in stats.drafted_rows:
+        model_rows = [row for row in stats.drafted_rows if row.method == "draft_model"]
+        self.new_draft(max((row.draft_version for row in model_rows), default=0))
+        for row in model_rows:
             if row.draft_version == self.draft_version:  # (drafts of the old weights: stale)
                 self.policy.observe_round(row.domain, row.drafted, row.accepted)
-        if not stats.resuming:
+        if not stats.resuming and not stats.ngram_rows:
             at_planned = [
                 (row.domain, row.drafted, row.accepted) for row in stats.rows if row.asked_planned
             ]
@@ -222,4 +271,15 @@ class Scheduler:
             if self._forced_running is None and stats.policy_rows:
                 self.policy.observe_round_wall(
                     stats.batch_size, stats.planned_k > 0, stats.committed, stats.wall_s
+                )
+
+    def _observe_proposers(self, stats: RoundStats) -> None:
+        """What each row the proposer choice placed committed in the round's wall time
+        (not in the length policy's cost measurements: they ran at a forced k)."""
+        if self.choice is None or self._forced_running is not None:
+            return
+        for row in stats.rows:
+            if row.auto_method:
+                self.choice.observe(
+                    row.domain, stats.batch_size, row.method, row.committed, stats.wall_s
                 )

@@ -39,6 +39,7 @@ from deployments.frontend.telemetry_link import TelemetryLink, TelemetrySink
 from deployments.frontend.worker_launch import WorkerLauncher, startup_cause
 from deployments.messages import EngineCoreOutput, EngineCoreOutputs, decode
 from specdec.low_rank import LowRankUpdate
+from specdec.proposer_choice import METHODS as PROPOSERS
 from specdec.sampling import SamplingParams
 from specdec.stats import SpecCounts
 
@@ -332,20 +333,24 @@ class EngineClient:
         request_id: str | None = None,
         domain: str = "default",
         operation: str = "text_completion",
+        method: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's output. Cancelling the iterator frees its sequence.
 
         Without ``num_speculative_tokens`` the length policy (``speculation.policy``)
-        chooses k per round for the request's ``domain``, up to the configured k."""
+        chooses k per round for the request's ``domain``, up to the configured k.
+        ``method``: the proposer ("draft_model" or "ngram"); None: the configured rule
+        (:meth:`SpeculationConfig.draft_plan`)."""
         self._check_admission()
-        self._check_request(prompt_token_ids, params, num_speculative_tokens)
-        k, auto = self.config.speculation.draft_length(
+        self._check_request(prompt_token_ids, params, num_speculative_tokens, method)
+        plan = self.config.speculation.draft_plan(
             speculation,
             num_speculative_tokens,
             params.seed is not None,
             self.config.draft is not None,
+            method,
         )
-        req = self._new_request(request_id, prompt_token_ids, params, k, domain, auto)
+        req = self._new_request(request_id, prompt_token_ids, params, plan, domain)
         t_start, t_first, error_type = time.perf_counter(), None, None
         try:
             await self._start_request(req)
@@ -386,7 +391,11 @@ class EngineClient:
             raise EngineOverloadedError("too many requests waiting; retry later")
 
     def _check_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, num_speculative_tokens
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        num_speculative_tokens,
+        method: str | None = None,
     ) -> None:
         """What only the engine knows (vocabulary, context, k bounds); every caller's check,
         so a request that reaches the core cannot fail there for its input."""
@@ -425,8 +434,12 @@ class EngineClient:
                 f"num_speculative_tokens must be in [0, {spec.max_speculative_tokens}]",
                 "speculation.num_speculative_tokens",
             )
+        if method not in (None, *PROPOSERS):
+            raise InvalidRequestError(
+                f"method must be one of {list(PROPOSERS)}", "speculation.method"
+            )
 
-    def _new_request(self, request_id, prompt_token_ids, params, k, domain, auto) -> RequestState:
+    def _new_request(self, request_id, prompt_token_ids, params, plan, domain) -> RequestState:
         """The request's state, registered under its id (refused if the id is in use)."""
         if request_id is not None and not isinstance(request_id, str):
             # ids cross to the core as strings (deployments.messages.SeqId)
@@ -440,7 +453,16 @@ class EngineClient:
             else None
         )
         req = RequestState(
-            rid, list(prompt_token_ids), params, k, asyncio.Queue(), detok, domain=domain, auto=auto
+            rid,
+            list(prompt_token_ids),
+            params,
+            plan.k,
+            asyncio.Queue(),
+            detok,
+            domain=domain,
+            auto=plan.auto_k,
+            method=plan.method,
+            auto_method=plan.auto_method,
         )
         self._requests[rid] = req
         return req

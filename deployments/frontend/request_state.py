@@ -63,6 +63,8 @@ class RequestState:
     finished: bool = False
     domain: str = "default"
     auto: bool = False  # the length policy chooses k per round
+    method: str = "draft_model"  # the proposer ("ngram": the core drafts by lookup)
+    auto_method: bool = False  # the proposer choice picks it per round
 
     def core_request(self) -> EngineCoreRequest:
         """What the core needs to start, or resume, this request."""
@@ -74,6 +76,8 @@ class RequestState:
             self.k,
             self.domain,
             self.auto,
+            self.method,
+            self.auto_method,
         )
 
 

@@ -134,7 +134,7 @@ class TelemetryLink:
             model=self.model,
             replica=self.replica,
             rounds=[
-                RoundRecord(r.domain, r.drafted, r.accepted, r.cache_hit, r.draft_version)
+                RoundRecord(r.domain, r.drafted, r.accepted, r.cache_hit, r.draft_version, r.method)
                 for r in drained.rounds
             ],
             verify_s=drained.verify_s,

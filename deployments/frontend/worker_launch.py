@@ -22,6 +22,7 @@ from deployments.messages import ColocatedDraftConfig, DraftWorkerConfig, Engine
 from deployments.placement import placement_for
 from deployments.workers.draft_worker import DraftWorker
 from specdec.policy import LengthPolicyConfig
+from specdec.proposer_choice import ProposerChoiceConfig
 from specdec.speculation_gate import GateConfig
 
 logger = logging.getLogger("specserve.engine")
@@ -81,9 +82,20 @@ class WorkerLauncher:
                     telemetry=telemetry,
                     colocated_draft=self._colocated_draft(),
                     cpu_affinity=cfg.target_resources.cpu_affinity,
+                    proposer_choice=self._proposer_choice(),
+                    ngram_max=cfg.speculation.ngram_max,
+                    ngram_min=cfg.speculation.ngram_min,
                 )
             )
         )
+
+    def _proposer_choice(self) -> ProposerChoiceConfig | None:
+        """The per-domain proposer choice, where some request may use it: policy
+        'goodput' with more than one proposer listed."""
+        spec = self.config.speculation
+        if spec.policy != "goodput" or len(spec.proposers) < 2:
+            return None
+        return ProposerChoiceConfig()
 
     def spawn_draft(self):
         cfg = self.config

@@ -30,6 +30,12 @@ class SpeculationOptions(_Strict):
     num_speculative_tokens: int | None = Field(
         default=None, ge=0, le=16, description="Draft length k; defaults to the server's setting."
     )
+    method: Literal["draft_model", "ngram"] | None = Field(
+        default=None,
+        description="The proposer: 'draft_model' or 'ngram' (prompt lookup, no model). "
+        "Unset: the server's (speculation.proposers, chosen per domain by measured "
+        "goodput); a request that sets num_speculative_tokens alone uses the draft model.",
+    )
 
 
 class StreamOptions(_Strict):
@@ -279,6 +285,17 @@ class SpeculationReport(BaseModel):
     )
     rounds: int = Field(description="Verification rounds that carried drafts.")
     cache_hits: int = Field(description="Rounds whose drafts were prepared during verification.")
+    method: Literal["draft_model", "ngram", "none"] = Field(
+        default="none",
+        description="The proposer that drafted most of its rounds ('none': no round "
+        "carried drafts); proposer_rounds has the split.",
+    )
+    proposer_rounds: dict[str, int] = Field(
+        default_factory=dict,
+        description="Rounds with drafts by proposer ('draft_model', 'ngram').",
+    )
+    ngram_drafted: int = Field(default=0, description="Of drafted, what n-gram lookup proposed.")
+    ngram_accepted: int = Field(default=0, description="Of accepted, n-gram lookup's.")
 
 
 class CompletionLogprobs(BaseModel):

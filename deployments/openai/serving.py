@@ -215,6 +215,7 @@ class OpenAIServing:
         return {
             "speculation": spec.enabled if spec else True,
             "num_speculative_tokens": spec.num_speculative_tokens if spec else None,
+            "method": spec.method if spec else None,
         }
 
     async def _generate(self, prompt_ids, params, args) -> AsyncIterator[RequestOutput]:
@@ -374,16 +375,29 @@ class OpenAIServing:
         self, out: RequestOutput | None, args: dict[str, Any], params: SamplingParams
     ) -> SpeculationReport:
         """What speculation did for one choice; its k and policy by the engine's own rule
-        (:meth:`SpeculationConfig.draft_length`)."""
+        (:meth:`SpeculationConfig.draft_plan`)."""
         s = out.stats if out else None
         has_draft = self.engine.config.draft is not None
-        k, auto = self.config.engine.speculation.draft_length(
-            args["speculation"], args["num_speculative_tokens"], params.seed is not None, has_draft
+        plan = self.config.engine.speculation.draft_plan(
+            args["speculation"],
+            args["num_speculative_tokens"],
+            params.seed is not None,
+            has_draft,
+            args.get("method"),
         )
+        by_method = {
+            "draft_model": (s.rounds - s.ngram_rounds) if s else 0,
+            "ngram": s.ngram_rounds if s else 0,
+        }
+        used = {m: n for m, n in by_method.items() if n}
         return SpeculationReport(
-            enabled=args["speculation"] and has_draft,
-            num_speculative_tokens=k,
-            policy="goodput" if auto else "fixed",
+            enabled=args["speculation"] and (has_draft or plan.method == "ngram"),
+            num_speculative_tokens=plan.k,
+            policy="goodput" if plan.auto_k or plan.auto_method else "fixed",
+            method=max(used, key=used.get) if used else "none",
+            proposer_rounds=used,
+            ngram_drafted=s.ngram_drafted if s else 0,
+            ngram_accepted=s.ngram_accepted if s else 0,
             domain=args.get("domain", "default"),
             drafted=s.drafted if s else 0,
             accepted=s.accepted if s else 0,

@@ -14,7 +14,7 @@ from deployments.frontend.engine_client import EngineClient, EngineError
 from deployments.messages import DriftAlert, EngineCoreRequest
 from monitoring.records import ReportReply
 from specdec.generate import generate_autoregressive, generate_speculative
-from specdec.proposers import DraftModelProposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for
 from tests.conftest import DEMO_DRAFT, DEMO_TARGET, EAGER
@@ -798,6 +798,94 @@ def test_a_worker_that_cannot_load_fails_the_start_with_its_reason(ray_local, ti
 
 
 LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+
+# Prompts whose continuations repeat what came before: n-gram lookup finds matches.
+REPETITIVE = [[5, 9, 14, 21, 5, 9, 14, 21, 5, 9], [11, 12, 11, 12, 11, 12], [7, 7, 7, 7]]
+
+
+@pytest.mark.parametrize("shape", ["actor", "colocated"])
+def test_ngram_rows_are_drafted_by_lookup_exactly_beside_draft_model_rows(
+    ray_local, tiny_target, tiny_draft, shape
+):
+    """Requests naming ``method: ngram`` are drafted in the core by prompt lookup (q a
+    point mass), beside rows the draft model drafts in the same batches: greedy output is
+    the target's, seeded sampled rows repeat the one-process output of the same seed (a
+    sampled row verified with q = δ), each row's counts name its proposer, and the draft
+    never holds an n-gram row."""
+    cfg = config(tiny_target, tiny_draft, shape, speculation={"num_speculative_tokens": 3})
+    runner = ModelRunner(tiny_target)
+    long = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    greedy_ref = [generate_autoregressive(runner, p, long).token_ids for p in REPETITIVE]
+
+    async def body(engine):
+        ngram = [collect(engine, p, long, method="ngram") for p in REPETITIVE]
+        model = [collect(engine, p, long) for p in REPETITIVE]
+        sampled = [
+            collect(engine, p, seeded(i), method="ngram", num_speculative_tokens=3)
+            for i, p in enumerate(PROMPTS[:4])
+        ]
+        out = await asyncio.gather(*ngram, *model, *sampled)
+        held = await held_after(engine)
+        return out, held
+
+    out, held = asyncio.run(with_engine(cfg, body))
+    n = len(REPETITIVE)
+    for (tokens, last), ref in zip(out[:n], greedy_ref, strict=True):
+        assert tokens == ref
+        s = last.stats
+        assert s.ngram_rounds == s.rounds > 0 and s.ngram_drafted == s.drafted > 0
+        assert s.cache_hits == 0
+    assert sum(last.stats.ngram_accepted for _, last in out[:n]) > 0
+    for (tokens, last), ref in zip(out[n : 2 * n], greedy_ref, strict=True):
+        assert tokens == ref and last.stats.ngram_rounds == 0 and last.stats.rounds > 0
+    # Seeded rows: the same tokens as the one-process loop with the n-gram proposer
+    # (specdec's point-mass rejection sampling, the same seed and k).
+    for i, (p, (tokens, _)) in enumerate(zip(PROMPTS[:4], out[2 * n :], strict=True)):
+        ref = generate_speculative(ModelRunner(tiny_target), NgramProposer(), p, seeded(i), 3)
+        assert tokens == ref.token_ids, i
+    assert sum(last.stats.ngram_drafted for _, last in out[2 * n :]) > 0
+    assert_nothing_held(held)
+
+
+def test_the_proposer_choice_gives_repetitive_text_ngram_and_stays_exact(
+    ray_local, tiny_target, tiny_draft
+):
+    """``proposers: [draft_model, ngram]`` under the goodput policy: both are measured per
+    domain and a request's rounds may come from either (its report says which); greedy
+    output stays the target's throughout and the monitor hears each round's proposer."""
+    cfg = config(
+        tiny_target,
+        tiny_draft,
+        speculation={"policy": "goodput", "proposers": ["draft_model", "ngram"]},
+    )
+    runner = ModelRunner(tiny_target)
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = REPETITIVE + PROMPTS[:3]
+    refs = [generate_autoregressive(runner, p, long).token_ids for p in prompts]
+    batches = []
+
+    async def sink(batch, requests, cursor):
+        batches.append(batch)
+        return ReportReply([], cursor)
+
+    async def run():
+        engine = EngineClient(cfg, telemetry=sink, flush_interval_s=0.2, replica="r")
+        await engine.start()
+        try:
+            jobs = [collect(engine, p, long, domain="rep") for p in prompts for _ in range(2)]
+            out = await asyncio.gather(*jobs)
+            await asyncio.sleep(0.5)  # one more flush
+            return out
+        finally:
+            await engine.shutdown()
+
+    out = asyncio.run(run())
+    for (tokens, _), ref in zip(out, [r for r in refs for _ in range(2)], strict=True):
+        assert tokens == ref
+    methods = {r.proposer for b in batches for r in b.rounds if r.drafted}
+    assert methods == {"draft_model", "ngram"}, methods
+    assert sum(last.stats.ngram_rounds for _, last in out) > 0
 
 
 def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(

@@ -363,8 +363,13 @@ def run_verify(
     *,
     ragged: bool = False,
     seeded: bool = False,
+    point_mass: bool = False,
 ) -> Rollout:
     """Speculative decoding through :func:`verify_rows`, from raw logits (the engine path).
+
+    With ``point_mass`` every row drafts deterministically (the argmax of the draft's
+    logits, as an n-gram lookup is a function of the context) and is verified with
+    ``VerifyRow.point_mass``: q = δ at each draft, no q sent.
 
     params: [n] per-row sampling settings; greedy rows draft the target's argmax with
     probability 3/4 (else a uniform token) so they accept and reject at every position.
@@ -389,7 +394,7 @@ def run_verify(
         prev = roll.last[idx]  # [m]
         for i in range(K):
             q = probs_for(prm, Q_LOGITS[prev])  # [m, V], the same transform as p
-            tok = torch.multinomial(q, 1)[:, 0]
+            tok = Q_LOGITS[prev].argmax(-1) if point_mass else torch.multinomial(q, 1)[:, 0]
             if states is not None:  # seeded rows: the request's stream for this position
                 for r, row in enumerate(rows):
                     if i < count_list[r] and not prm[r].is_greedy:
@@ -413,8 +418,9 @@ def run_verify(
             VerifyRow(
                 sp,
                 draft_list[r][:c],
-                None if sp.is_greedy else qs[r, :c],
+                None if sp.is_greedy or point_mass else qs[r, :c],
                 None if states is None else states[row].verify_generator_at(1 + have[r]),
+                point_mass=point_mass,
             )
             for r, (row, sp, c) in enumerate(zip(rows, prm, count_list, strict=True))
         ]
@@ -570,6 +576,29 @@ def test_verify_rows_mixed_greedy_and_sampled(sampler, monkeypatch, record_prope
             continue
         pvalues = joint_law_pvalues(roll.seqs[group == g], table(P_LOGITS, sp))
         report(f"verify_rows mixed batch, {name} rows, sampler={sampler}", pvalues, record_property)
+        family[name] = pvalues["family"]
+    if sampler == "real":
+        assert min(family.values()) > ALPHA, family
+    else:
+        assert min(family.values()) < ALPHA, f"no power against {sampler}: {family}"
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_verify_rows_point_mass_drafts(sampler, monkeypatch, record_property):
+    """Deterministic drafts (the n-gram proposer's) through verify_rows with
+    ``point_mass``: T=1 and filtered rows follow their chains; the twins, patched under
+    verify_rows, are rejected at the same size and ALPHA."""
+    monkeypatch.setattr(specdec.verify, "rejection_sample", SAMPLERS[sampler])
+    torch.manual_seed(6)
+    kinds = {"T=1": T1, "filtered": FILTERED}
+    params = [sp for _, sp in zip(range(N_VERIFY), itertools.cycle(kinds.values()))]
+    roll = run_verify(params, point_mass=True)
+    group = torch.arange(len(params)) % len(kinds)  # [n]: index into kinds
+    assert_covered(roll.ends, [K])
+    family = {}
+    for g, (name, sp) in enumerate(kinds.items()):
+        pvalues = joint_law_pvalues(roll.seqs[group == g], table(P_LOGITS, sp))
+        report(f"verify_rows point mass, {name} rows, sampler={sampler}", pvalues, record_property)
         family[name] = pvalues["family"]
     if sampler == "real":
         assert min(family.values()) > ALPHA, family

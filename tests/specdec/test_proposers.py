@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec.proposers import DraftModelProposer, NgramProposer, ngram_propose
 from specdec.runner import ModelRunner
@@ -22,6 +24,30 @@ from specdec.speculation_cache import SpeculativeDrafter
 )
 def test_ngram_table(tokens, k, n_max, expected):
     assert ngram_propose(tokens, k, n_max=n_max) == expected
+
+
+def _scan(token_ids, k, n_max, n_min):
+    """The definition, scanned in Python: the latest earlier match of the longest suffix."""
+    length = len(token_ids)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start : start + n] == token_ids[length - n :]:
+                return token_ids[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), max_size=40),
+    st.integers(0, 6),
+    st.integers(1, 5),
+    st.integers(1, 5),
+)
+def test_ngram_lookup_equals_the_scan(tokens, k, n_max, n_min):
+    """The vectorised lookup proposes what the definition says, on short alphabets (many
+    overlapping matches) and every k and n range, empty ones included."""
+    expected = _scan(tokens, k, n_max, n_min) if k > 0 else []
+    assert ngram_propose(tokens, k, n_max=n_max, n_min=n_min) == expected
 
 
 def test_ngram_respects_n_min():
