@@ -29,11 +29,49 @@ def test_defaults_and_model_name():
         {"placement_strategy": "RANDOM"},
         {"target_resources": {"num_gpus": -1}},
         {"draft": None, "placement_strategy": "STRICT_SPREAD"},
+        {"speculation": {"proposers": []}},
+        {"speculation": {"proposers": ["ngram", "ngram"]}},
+        {"speculation": {"proposers": ["eagle"]}},
+        {"speculation": {"ngram_min": 3, "ngram_max": 2}},
     ],
 )
 def test_invalid_configs_are_rejected(bad):
     with pytest.raises(ValidationError):
         cfg(**bad)
+
+
+@pytest.mark.parametrize(
+    ("proposers", "args", "expected"),
+    [
+        # (enabled, requested k, seeded, has draft, method) -> (k, auto_k, method, auto_method)
+        (["draft_model"], (True, None, False, True, None), (4, True, "draft_model", False)),
+        (["draft_model", "ngram"], (True, None, False, True, None), (4, True, "draft_model", True)),
+        (["ngram", "draft_model"], (True, None, False, True, None), (4, True, "ngram", True)),
+        (["draft_model", "ngram"], (True, 2, False, True, None), (2, False, "draft_model", False)),
+        (
+            ["draft_model", "ngram"],
+            (True, None, True, True, None),
+            (4, False, "draft_model", False),
+        ),
+        (["draft_model", "ngram"], (True, None, False, False, None), (4, False, "ngram", False)),
+        (["draft_model"], (True, None, False, False, None), (0, False, "draft_model", False)),
+        (["draft_model"], (True, None, False, False, "ngram"), (4, False, "ngram", False)),
+        (["draft_model"], (True, 3, False, True, "ngram"), (3, False, "ngram", False)),
+        (["ngram"], (True, None, False, True, "draft_model"), (4, True, "draft_model", False)),
+        (
+            ["draft_model", "ngram"],
+            (False, None, False, True, "ngram"),
+            (0, False, "draft_model", False),
+        ),
+    ],
+)
+def test_the_draft_plan_rule(proposers, args, expected):
+    """Who drafts a request and who chooses: a named proposer is used (n-gram lookup needs
+    no draft); a fixed k alone means the draft model; unnamed requests get the first usable
+    listed proposer, with the choice between several under the goodput policy, never for
+    a seeded request (its draws must repeat)."""
+    spec = cfg(speculation={"proposers": proposers}).speculation
+    assert tuple(spec.draft_plan(*args)) == expected
 
 
 def test_every_field_is_described():

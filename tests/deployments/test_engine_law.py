@@ -10,7 +10,9 @@ the tiny random model pair:
   mixed, shuffled workload: greedy rows, T=1 rows, T=0.8 top-k/top-p rows, seeded rows
   and rows whose requests ask for k = 1..4 (ragged draft counts at T > 0 in one batch),
   and T=1 rows without a k of their own, whose k the goodput length policy chooses round
-  by round from what it measured (``speculation.policy: goodput``, the product default);
+  by round from what it measured (``speculation.policy: goodput``, the product default),
+  and T=1 rows that name ``method: ngram`` (drafted by prompt lookup in the core, q a
+  point mass, their step laws computed against the looked-up token);
 * ``L = 7`` output tokens per request: the prefill token and then rounds of up to
   ``k + 1 = 5`` tokens, so every draft position and the bonus land in the tested window
   (asserted, round by round, from each request's streamed stats);
@@ -52,7 +54,7 @@ import specdec.verify
 from deployments.config import EngineConfig
 from deployments.frontend.engine_client import EngineClient
 from specdec.generate import generate_autoregressive
-from specdec.proposers import DraftModelProposer
+from specdec.proposers import DraftModelProposer, ngram_propose
 from specdec.rejection import rejection_sample
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for
@@ -78,11 +80,16 @@ T1 = SamplingParams(temperature=1.0, top_k=3, max_tokens=L, ignore_eos=True)
 F_PROMPT = [30, 31, 32, 33, 34]
 FILTERED = SamplingParams(temperature=0.8, top_k=4, top_p=0.9, max_tokens=L, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# Rows that name ``method: ngram``: drafted by prompt lookup in the core, verified with q a
+# point mass. The prompt repeats the target's own greedy continuation of its start, so
+# lookups propose tokens the target often samples: every draft position and the bonus
+# are reached (T1's law, this prompt).
+NG_PROMPT = [11, 12, 11, 29, 34, 55, 45, 85, 58, 94, 65, 11, 12, 11, 29, 34]
 GREEDY_PROMPTS = [[5, 9, 14], [30, 31, 32, 33, 34], [7], [60, 2, 61, 3, 62], [11, 12, 11]]
 
 # Sampled groups (the statistical tests) and their sizes; greedy and repeated seeded rows
 # ride in the same batches.
-SIZES = {"t1": 330, "ragged": 300, "seeded": 180, "filtered": 260, "auto": 220}
+SIZES = {"t1": 330, "ragged": 300, "seeded": 180, "filtered": 260, "auto": 220, "ngram": 300}
 N_GREEDY = 120
 N_SEEDED_AGAIN = 80
 SEED0 = 7_000
@@ -104,6 +111,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     k: int | None  # the request's num_speculative_tokens (None: the length policy's)
+    method: str | None = None  # the request's proposer (None: the draft model)
 
 
 @dataclass
@@ -126,6 +134,7 @@ def workload() -> list[Job]:
     # No k of their own: the goodput policy picks each round's k from the rounds before
     # (acceptance so far, measured round times): a data-dependent length, still exact.
     jobs += [Job("auto", T1_PROMPT, T1, None) for _ in range(SIZES["auto"])]
+    jobs += [Job("ngram", NG_PROMPT, T1, K, "ngram") for _ in range(SIZES["ngram"])]
     jobs += [
         Job("greedy", GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)], GREEDY, 1 + i % K)
         for i in range(N_GREEDY)
@@ -145,7 +154,10 @@ async def _collect(engine: EngineClient, job: Job) -> Sample:
     """Stream one request. After the prefill token every streamed output is one round, and
     the stats are running totals, so their differences give each round's counts."""
     sample, last = Sample(job), (0, 0, 0, 0)
-    async for out in engine.generate(job.prompt, job.params, num_speculative_tokens=job.k):
+    stream = engine.generate(
+        job.prompt, job.params, num_speculative_tokens=job.k, method=job.method
+    )
+    async for out in stream:
         st = out.stats
         now = (st.drafted, st.accepted, st.rounds, st.cache_hits)
         if sample.tokens:
@@ -239,9 +251,13 @@ def run_in_process(
             ]
             drafts: list[list[int]] = [[] for _ in live]
             qs: list[torch.Tensor | None] = [None] * len(live)
+            lookup = [jobs[s.seq_id].method == "ngram" for s in live]
             if max(ks):
                 prop = proposer.propose(live, max(ks))
                 for r, s in enumerate(live):
+                    if lookup[r]:  # as the engine core looks them up
+                        drafts[r] = ngram_propose(s.token_ids, ks[r])
+                        continue
                     c = min(ks[r], int(prop.num_draft_tokens[r]))  # a prefix is a valid draft
                     drafts[r] = prop.draft_token_ids[r, :c].tolist()
                     if not s.params.is_greedy:
@@ -252,8 +268,8 @@ def run_in_process(
                 ids, [[s.last_token_id, *d] for s, d in zip(live, drafts, strict=True)]
             )  # [live, k + 1, vocab]
             rows = [
-                VerifyRow(s.params, d, q, s.verify_generator_at(len(s.token_ids)))
-                for s, d, q in zip(live, drafts, qs, strict=True)
+                VerifyRow(s.params, d, q, s.verify_generator_at(len(s.token_ids)), point_mass=pm)
+                for s, d, q, pm in zip(live, drafts, qs, lookup, strict=True)
             ]
             for s, d, c0, (toks, a) in zip(
                 live, drafts, cached, verify_rows(logits, rows), strict=True
@@ -345,8 +361,11 @@ class ExactLaw:
         self.probs = prob  # [M]
         self.index = {tuple(s): i for i, s in enumerate(self.seqs.tolist())}
 
-    def pvalues(self, samples: list[Sample], every_step: bool = True) -> dict[str, float]:
-        return {**self.sequence_pvalues(samples), **self.step_pvalues(samples, every_step)}
+    def pvalues(
+        self, samples: list[Sample], every_step: bool = True, lookup: bool = False
+    ) -> dict[str, float]:
+        steps = self.step_pvalues(samples, every_step, lookup)
+        return {**self.sequence_pvalues(samples), **steps}
 
     def sequence_pvalues(self, samples: list[Sample]) -> dict[str, float]:
         """Whole sequences (cells merged to expected >= 20) and each pair (x_{j-1}, x_j)
@@ -370,7 +389,9 @@ class ExactLaw:
             prev_law, prev_obs = self.seqs[:, j], seqs[:, j]
         return out
 
-    def step_pvalues(self, samples: list[Sample], every_step: bool = True) -> dict[str, float]:
+    def step_pvalues(
+        self, samples: list[Sample], every_step: bool = True, lookup: bool = False
+    ) -> dict[str, float]:
         """Every verification step against its exact law given its context.
 
         At a reached draft position with context ``c`` the draft proposes ``x ~ q_c`` and
@@ -388,22 +409,30 @@ class ExactLaw:
         Steps whose context the tree lacks (a prefix the target cannot produce: the
         sequence test already fails) or whose draft cut-off is a near-tie are left out;
         both depend on the context alone, so the remaining steps keep their laws.
+
+        ``lookup``: the rows were drafted by n-gram lookup, so q at each draft position is
+        a point mass at the token the lookup proposed, recomputed here from the round's
+        context (the draft's own cut-offs play no part).
         """
-        events: list[tuple[str, int, int, int]] = []  # (kind, position, node, token)
+        # (kind, position, node, token, the looked-up draft or -1)
+        events: list[tuple[str, int, int, int, int]] = []
         left_out = 0
         for s in samples:
             for start, c, a, _ in s.rounds:
                 if c == 0:
                     continue
+                proposed = ngram_propose(self.prompt + s.tokens[:start], c) if lookup else []
+                assert not lookup or len(proposed) == c, (s.tokens, start, c, proposed)
                 steps = [("acc" if i < a else "rej", i) for i in range(min(a, c - 1) + 1)]
                 if a == c:
                     steps.append(("bonus", c))
                 for kind, i in steps:
                     node = self.node.get(tuple(s.tokens[: start + i]))
-                    if node is None or not self.trusted[node]:
+                    if node is None or not (lookup or self.trusted[node]):
                         left_out += 1
                         continue
-                    events.append((kind, i, node, s.tokens[start + i]))
+                    x = proposed[i] if lookup and kind != "bonus" else -1
+                    events.append((kind, i, node, s.tokens[start + i], x))
         out = {"steps_left_out": float(left_out)}
         groups = {
             f"step_{i}": [e for e in events if e[0] != "bonus" and e[1] == i] for i in range(K)
@@ -417,6 +446,9 @@ class ExactLaw:
             node = torch.tensor([e[2] for e in evs])
             tok = torch.tensor([e[3] for e in evs])
             p, q = self.p[node], self.q[node]  # [n, V]
+            if lookup and name != "bonus":
+                drafts = torch.tensor([e[4] for e in evs])
+                q = torch.nn.functional.one_hot(drafts, self.vocab).double()  # q = δ_x
             if name == "bonus":
                 law, cell = p, tok
             else:
@@ -444,6 +476,7 @@ def laws(tiny_target, tiny_draft) -> dict[str, ExactLaw]:
     out = {
         "t1": ExactLaw(target, draft, T1_PROMPT, T1),
         "filtered": ExactLaw(target, draft, F_PROMPT, FILTERED),
+        "ngram": ExactLaw(target, draft, NG_PROMPT, T1),
     }
     assert out["filtered"].cut_by_top_p, "top-p must cut somewhere in the filtered law"
     return out
@@ -459,7 +492,8 @@ def family_pvalues(samples: list[Sample], group: str, laws) -> dict[str, float]:
     # tokens: like the coverage test, they need not reach draft position 3 (the t1,
     # seeded and filtered groups must, and do).
     every_step = group not in ("auto", "ragged")
-    out = laws["filtered" if group == "filtered" else "t1"].pvalues(mine, every_step)
+    law = laws[group if group in ("filtered", "ngram") else "t1"]
+    out = law.pvalues(mine, every_step, lookup=group == "ngram")
     tests = [v for k, v in out.items() if k not in COUNTS]
     out["family"] = min(1.0, len(tests) * min(tests))  # Bonferroni over all of the above
     return out
@@ -522,7 +556,7 @@ def test_rounds_cover_every_draft_position_and_the_bonus(engine_run):
     )
     for group, seen in sorted(outcomes.items()):
         print(f"[engine-law] {group}: (drafted, accepted) -> rounds {dict(sorted(seen.items()))}")
-    for group in set(SIZES) - {"auto"}:
+    for group in set(SIZES) - {"auto", "ngram"}:
         # Ragged rows: only a quarter ask for k = 4, whose rarest outcomes the other
         # groups cover; every outcome of k = 1..3 must be there.
         ks = range(1, K) if group == "ragged" else [K]
@@ -531,6 +565,10 @@ def test_rounds_cover_every_draft_position_and_the_bonus(engine_run):
     assert any(c == K for c, _ in outcomes["ragged"])
     # The policy's rows drafted (its measurement rounds alone run k = 1 and k = 4).
     assert sum(n for (c, _), n in outcomes["auto"].items() if c > 0) > 0
+    # Lookup rows draft as many tokens as followed the match (up to k): every length
+    # occurred, and none came from the speculation cache (the draft never saw them).
+    assert {c for c, _ in outcomes["ngram"]} >= set(range(1, K + 1)), outcomes["ngram"]
+    assert not any(hit for s in samples if s.job.group == "ngram" for *_, hit in s.rounds)
     if draft_stats["shape"] == "actor":  # a colocated draft takes turns: nothing ahead
         assert hits > 0, "no round was served from the speculation cache"
     else:

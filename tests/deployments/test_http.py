@@ -287,6 +287,20 @@ def test_per_request_speculation_switch(client):
     )
     assert on.model_extra["speculation"]["num_speculative_tokens"] == 2
     assert on.model_extra["speculation"]["drafted"] > 0
+    assert on.model_extra["speculation"]["method"] == "draft_model"
+
+
+def test_a_request_may_name_its_proposer(client):
+    """``speculation.method: ngram``: drafted by prompt lookup (no draft model), the same
+    greedy text, and the report names the proposer and its counts."""
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+    off = client.completions.create(**kw, extra_body={"speculation": {"enabled": False}})
+    ngram = client.completions.create(**kw, extra_body={"speculation": {"method": "ngram"}})
+    spec = ngram.model_extra["speculation"]
+    assert ngram.choices[0].text == off.choices[0].text
+    assert spec["method"] == "ngram" and spec["proposer_rounds"] == {"ngram": spec["rounds"]}
+    assert spec["ngram_drafted"] == spec["drafted"] > 0
 
 
 def test_both_replicas_answer(base_url):
@@ -322,6 +336,8 @@ BAD_REQUESTS = [
         {"model": MODEL, "prompt": "hi", "speculation": {"num_speculative_tokens": 99}},
         "speculation",
     ),
+    ({"model": MODEL, "prompt": "hi", "speculation": {"method": "eagle"}}, "speculation"),
+    ({"model": MODEL, "prompt": "hi", "speculation": {"method": 1}}, "speculation"),
     ({"prompt": "hi"}, "model"),
     ({"model": MODEL, "prompt": "hi", "top_k": 2**63}, "top_k"),
     ({"model": MODEL, "prompt": "hi", "top_k": 10**6}, "top_k"),
