@@ -99,6 +99,11 @@ class MonitorDeployment:
         adaptation deployment judges a swapped draft by."""
         return self.monitor.versions.counts(domain, last_rounds)
 
+    async def serving_speed(self, window_s: float = 5.0) -> float | None:
+        """Committed tokens per second of round time over the last ``window_s`` (see
+        Monitor.serving_speed): what a training run keeps its cost to serving by."""
+        return self.monitor.serving_speed(window_s)
+
     async def adaptation_event(self, record: dict[str, Any]) -> None:
         """An adaptation outcome (AdaptationRecord fields): metrics and a log record."""
         self.monitor.report_adaptation(AdaptationRecord(**record))

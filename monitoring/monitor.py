@@ -17,6 +17,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -73,6 +74,9 @@ class Monitor:
         # replica's cursor from before must not skip (or replay) them.
         self.epoch = uuid.uuid4().hex[:12]
         self.clock = clock
+        # (unix s, tokens committed, seconds of round time) per report, the last
+        # SPEED_HISTORY_S: what serving_speed divides
+        self._speed: deque[tuple[float, int, float]] = deque()
         # domain -> the last report after which its forward CUSUM stood at 0 [unix s]: when
         # it fires, the change point estimate (where the evidence against the baseline began)
         self._calm_at: dict[str, float] = {}
@@ -80,9 +84,12 @@ class Monitor:
 
     MAX_EVENTS = 1000
 
+    SPEED_HISTORY_S = 600.0  # the longest window serving_speed answers for
+
     def report(self, batch: RoundBatch) -> list[DriftEvent]:
         """Record one replica flush; returns the drift alerts it started or resolved."""
         self.metrics.record_rounds(batch)
+        self._note_speed(batch)
         for domain, choice in batch.policy.items():
             ratios = choice.get("round_time_ratio") or {}
             if ratios:
@@ -224,6 +231,28 @@ class Monitor:
     def shutdown(self) -> None:
         self.meter_provider.shutdown()
         self.logger_provider.shutdown()
+
+    def _note_speed(self, batch: RoundBatch) -> None:
+        busy = sum(batch.verify_s) + sum(batch.draft_wait_s) + sum(batch.overhead_s)
+        if busy <= 0:
+            return
+        now = self.clock()
+        self._speed.append((now, sum(batch.committed.values()), busy))
+        while self._speed and self._speed[0][0] < now - self.SPEED_HISTORY_S:
+            self._speed.popleft()
+
+    def serving_speed(self, window_s: float) -> float | None:
+        """Tokens committed per second of the engines' round time (every replica's rounds
+        together) over the last ``window_s``: how fast serving works while it works, so
+        an idle stretch is not a slowdown (a training run paces itself by it,
+        adaptation/pacing.py). None without rounds in the window."""
+        since = self.clock() - window_s
+        tokens = busy = 0.0
+        for at, n, seconds in reversed(self._speed):
+            if at < since:
+                break
+            tokens, busy = tokens + n, busy + seconds
+        return tokens / busy if busy > 0 else None
 
 
 def build_providers(

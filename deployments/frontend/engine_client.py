@@ -254,6 +254,7 @@ class EngineClient:
             else None,
             "aborted": self.aborted,
             "draft_version": self._draft_weights[0] if self._draft_weights else 0,
+            "draft_versions": dict(self.telemetry.domain_versions) if self.telemetry else {},
             "draft_update": self.draft_update,
             "error": self._fatal,
         }

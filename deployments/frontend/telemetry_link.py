@@ -50,6 +50,8 @@ class TelemetryLink:
         self.draft_version = draft_version  # the adapted draft version served now
         self.current_core, self.timeout_s, self.interval_s = current_core, timeout_s, interval_s
         self.records: list[RequestRecord] = []
+        # domain -> the draft version that drafted its latest round here (for /health)
+        self.domain_versions: dict[str, int] = {}
         # Drift alerts seen so far; None until the monitor answers.
         self.cursor: AlertCursor | None = None
 
@@ -130,6 +132,9 @@ class TelemetryLink:
 
     def _batch(self, drained: TelemetrySnapshot) -> RoundBatch:
         """The core's snapshot as the monitor's record (its own type: the two deploy apart)."""
+        for r in drained.rounds:
+            if r.method == "draft_model":
+                self.domain_versions[r.domain] = r.draft_version
         return RoundBatch(
             model=self.model,
             replica=self.replica,

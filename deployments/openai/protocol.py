@@ -431,4 +431,11 @@ class Health(BaseModel):
         description="The draft weights this replica serves: 0 as deployed, n after the "
         "n-th adapted version (adaptation).",
     )
+    draft_versions: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per traffic domain, the draft version that drafted its latest round "
+        "on this replica (with a monitor; a domain not drafted since the replica started "
+        "is absent); it reaches draft_version with the domain's first round drafted after a "
+        "swap.",
+    )
     error: str | None = Field(default=None, description="Why the replica cannot serve.")

@@ -149,6 +149,11 @@ def test_an_adaptation_run_reaches_the_replicas_draft_and_output_stays_exact(
     prompt = [30, 31, 32, 33, 34]
     expected = generate_autoregressive(ModelRunner(tiny_target), prompt, params).token_ids
     assert _finish(serve_engine, prompt, "default", 20) == expected
+    # /health names, per domain, the version that drafted its latest round.
+    _wait_for(
+        "default drafted by version 1",
+        lambda: serve_engine.health_info.remote().result()["draft_versions"].get("default") == 1,
+    )
 
 
 def test_an_adapter_run_ships_only_its_factors_to_the_replica(serve_engine, tiny_target):

@@ -80,7 +80,14 @@ def test_counters_give_the_k_free_acceptance_estimate(monitor):
             kv_cache_token_usage=0.25,
         )
     )
-    key = frozenset({"model": "demo-target", "replica": "r1", "domain": "python"}.items())
+    key = frozenset(
+        {
+            "model": "demo-target",
+            "replica": "r1",
+            "domain": "python",
+            "proposer": "draft_model",
+        }.items()
+    )
     accepted = points(reader, "specserve.spec_decode.num_accepted_tokens")[key]
     rejections = points(reader, "specserve.spec_decode.num_rejection_rounds")[key]
     assert points(reader, "specserve.spec_decode.num_drafts")[key] == 2000
@@ -90,7 +97,8 @@ def test_counters_give_the_k_free_acceptance_estimate(monitor):
     per_pos = points(reader, "specserve.spec_decode.num_accepted_tokens_per_pos")
     by_pos = [per_pos[frozenset({**dict(key), "position": p}.items())] for p in range(K)]
     assert by_pos == [sum(r.accepted > p for r in recs) for p in range(K)]
-    assert points(reader, "specserve.generation.tokens")[key] == 77
+    per_domain = frozenset((k, v) for k, v in key if k != "proposer")  # (not by proposer)
+    assert points(reader, "specserve.generation.tokens")[per_domain] == 77
     base = frozenset({"model": "demo-target", "replica": "r1"}.items())
     assert points(reader, "specserve.scheduler.running")[base] == 3
     assert points(reader, "specserve.kv_cache.usage")[base] == 0.75
@@ -164,7 +172,7 @@ def test_acceptance_by_position_counts_only_rounds_that_reached_it(monitor):
     mon, reader, _ = monitor
     recs = [RoundRecord("code", k, k) for k in (1, 1, 2, 4, 4, 3, 1)]
     mon.report(batch(recs, dropped=5))
-    key = {"model": "demo-target", "replica": "r1", "domain": "code"}
+    key = {"model": "demo-target", "replica": "r1", "domain": "code", "proposer": "draft_model"}
     acc = points(reader, "specserve.spec_decode.num_accepted_tokens_per_pos")
     reached = points(reader, "specserve.spec_decode.num_drafts_per_pos")
     for p in range(4):
@@ -355,4 +363,35 @@ def test_a_firing_alert_says_when_the_drift_began():
     since = mon.drift_since("python")
     assert t_drop - 5 <= since < t_drop + 1, (since, t_drop, fired_at)
     assert mon.drift_since("prose") is None
+    mon.shutdown()
+
+
+def test_ngram_rounds_are_counted_by_proposer_but_never_drift(monitor):
+    """Rounds drafted by n-gram lookup reach the counters under ``proposer="ngram"``;
+    the drift detector and the per-version counts hear the draft model's alone, so a
+    domain whose lookups all fail does not look like a drifted draft."""
+    mon, reader, _ = monitor
+    rng = np.random.default_rng(3)
+    mon.report(batch(rounds(rng, "code", 0.8, 1500)))  # the draft model's baseline
+    failing = [RoundRecord("code", K, 0, proposer="ngram") for _ in range(1500)]
+    assert mon.report(batch(failing)) == []
+    assert mon.detector.status("code").state != DriftState.FIRING
+    drafted = points(reader, "specserve.spec_decode.num_draft_tokens")
+    by_proposer = {dict(k)["proposer"]: v for k, v in drafted.items()}
+    assert by_proposer == {"draft_model": 1500 * K, "ngram": 1500 * K}
+    assert sum(r for r, _, _ in mon.versions.counts("code").values()) == 1500
+
+
+def test_serving_speed_is_tokens_per_second_of_round_time_over_a_window():
+    now = [1000.0]
+    mon = Monitor(MeterProvider(), LoggerProvider(), FAST, clock=lambda: now[0])
+    assert mon.serving_speed(5.0) is None  # nothing served
+    timing = {"verify_s": [0.1] * 4, "draft_wait_s": [0.05] * 4, "overhead_s": [0.05] * 4}
+    mon.report(batch([], committed={"a": 40}, **timing))  # 40 tokens in 0.8 s of rounds
+    now[0] += 3.0
+    mon.report(batch([], committed={"a": 10, "b": 10}, **timing))
+    assert mon.serving_speed(5.0) == pytest.approx(60 / 1.6)
+    assert mon.serving_speed(2.0) == pytest.approx(20 / 0.8)  # the newest report alone
+    now[0] += 10.0
+    assert mon.serving_speed(5.0) is None  # idle since: no evidence, not a slowdown
     mon.shutdown()
