@@ -98,9 +98,12 @@ def complete(http: httpx.Client, prompt: str, arm: str, domain: str, max_tokens:
     seconds = time.perf_counter() - t0
     r.raise_for_status()
     data = r.json()
-    return data["choices"][0]["text"], data["usage"]["completion_tokens"], seconds, data[
-        "speculation"
-    ]
+    return (
+        data["choices"][0]["text"],
+        data["usage"]["completion_tokens"],
+        seconds,
+        data["speculation"],
+    )
 
 
 def run(url: str, loads: dict[str, list[str]], max_tokens: int) -> dict:
