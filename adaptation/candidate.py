@@ -48,6 +48,7 @@ class RunResult:
     weights: dict[str, torch.Tensor] | None  # only when deployed
     # a run with adapters, deployed: the same weights as factors over base_version
     update: LowRankUpdate | None = None
+    pacing: dict | None = None  # adaptation.pacing.ServingPace.report() (None: not paced)
 
     def summary(self) -> dict:
         """Everything but the weights (for logs, the handle and metrics)."""
@@ -85,10 +86,12 @@ def run(
     config: TrainerConfig,
     log: Callable[[str], None] | None = None,
     base_version: int = 0,
+    pace: Callable[[float], None] | None = None,
 ) -> RunResult:
     """Train a candidate for ``domain`` from ``records`` (every domain's retained
     requests) and judge it; see the module docstring. ``current`` are the weights of
-    draft version ``base_version`` (None: the checkpoint's)."""
+    draft version ``base_version`` (None: the checkpoint's); ``pace``: called after every
+    optimizer step (see :func:`adaptation.distill.distill`)."""
     t0 = time.monotonic()
     train, held = _split(records, config.held_back_fraction)
     if len(train.get(domain, ())) < 1 or not held.get(domain):
@@ -107,7 +110,7 @@ def run(
         replay_fraction=config.replay_fraction,
         max_len=MAX_ROW_TOKENS,
     )
-    report = distill(model, train[domain], replay, settings, log=log)
+    report = distill(model, train[domain], replay, settings, log=log, pace=pace)
     after = {d: agreement(model, rows) for d, rows in held.items()}
     verdict = judge(before, after, domain, config.min_gain, config.max_loss)
     dtype = getattr(torch, source.dtype)

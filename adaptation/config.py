@@ -135,6 +135,23 @@ class TrainerConfig(BaseModel):
     lora_alpha: float = Field(
         default=32.0, gt=0.0, description="LoRA's alpha: the update is scaled by alpha / rank."
     )
+    max_serving_slowdown: float = Field(
+        default=0.2,
+        ge=0.0,
+        le=1.0,
+        description="The most a run may slow serving: the run pauses between optimizer "
+        "steps so that serving's speed (committed tokens per second of the engines' round "
+        "time, from the monitor) stays at least (1 - this) x its speed before the run "
+        "(adaptation/pacing.py: the pause doubles while serving is slower, shrinks while "
+        "it is not). 1: never pause.",
+    )
+    pacing_window_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=300.0,
+        description="Seconds of serving each check of max_serving_slowdown measures (a "
+        "check every window).",
+    )
     niceness: int = Field(
         default=19,
         ge=0,

@@ -48,7 +48,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from adaptation.candidate import DraftSource, load_draft, run
 from adaptation.config import AdaptationConfig, TrainerConfig
+from adaptation.pacing import ServingPace
 from adaptation.retention import RetainedRequest, RetentionBuffer
+from adaptation.serving_watch import ServingWatch
 from adaptation.swap_check import Counts, check_swap
 from adaptation.trigger import PendingDomain, run_data, should_run, start_pending
 from adaptation.versions import DraftVersion, VersionHistory
@@ -60,16 +62,38 @@ KEEP_WEIGHTS = 8  # versions whose weights stay in the object store (rollback ta
 EXPORT_TIMEOUT_S = 600.0
 
 
-def _run_task(source, current, domain, records, config, num_threads, base_version):
-    """:func:`adaptation.candidate.run` in a task of its own: its threads bounded, and
-    its process at the OS priority ``config.niceness`` (the worker exits after it:
-    ``max_calls=1``, so no later task inherits either)."""
+def _run_task(
+    source, current, domain, records, config, num_threads, base_version, monitor, baseline
+):
+    """:func:`adaptation.candidate.run` in a task of its own: its threads bounded, its
+    process at the OS priority ``config.niceness`` (the worker exits after it:
+    ``max_calls=1``, so no later task inherits either), and paced by serving's speed
+    (``config.max_serving_slowdown``; ``baseline``: serving's speed before the run, from
+    ``monitor``; no monitor: not paced)."""
     import torch
 
     if config.niceness:
         os.nice(config.niceness)
     torch.set_num_threads(num_threads)
-    return run(source, current, domain, records, config, logger.info, base_version)
+    watch = None
+    if monitor is not None and config.max_serving_slowdown < 1.0:
+        pace = ServingPace(config.max_serving_slowdown, baseline, config.pacing_window_s)
+        watch = ServingWatch(monitor, pace)
+    try:
+        result = run(
+            source,
+            current,
+            domain,
+            records,
+            config,
+            logger.info,
+            base_version,
+            pace=watch.after_step if watch else None,
+        )
+    finally:
+        pacing = watch.stop() if watch else None
+    result.pacing = pacing
+    return result
 
 
 def _source_weights_task(source):
@@ -424,9 +448,18 @@ class AdaptationDeployment:
         )
         served = self.history.current
         current = self._refs.get(served.weights_of)  # (resolved by Ray in the task)
+        baseline = await self._serving_speed(cfg.pacing_window_s)
         try:
             result = await task.remote(
-                self.source, current, domain, data, cfg, cfg.num_threads, served.version
+                self.source,
+                current,
+                domain,
+                data,
+                cfg,
+                cfg.num_threads,
+                served.version,
+                self.monitor,
+                baseline,
             )
         except Exception as exc:
             self.outcomes["failed"] += 1
@@ -434,6 +467,17 @@ class AdaptationDeployment:
             self._event("failed", domain, repr(exc)[:500])
             raise
         return self._conclude(result, served)
+
+    async def _serving_speed(self, window_s: float) -> float | None:
+        """Serving's speed now (the monitor's; None: no monitor, no traffic, no answer)."""
+        if self.monitor is None:
+            return None
+        try:
+            call = self.monitor.serving_speed.remote(window_s)
+            return await asyncio.wait_for(call, MONITOR_CALL_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("could not read serving's speed before a run: %r", exc)
+            return None
 
     def _conclude(self, result, served: DraftVersion) -> dict[str, Any]:
         """A run's verdict: deploy (and watch) or reject, noted and reported."""

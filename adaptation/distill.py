@@ -104,9 +104,12 @@ def distill(
     settings: DistillSettings,
     pad_id: int = 0,
     log: Callable[[str], None] | None = None,
+    pace: Callable[[float], None] | None = None,
 ) -> DistillReport:
     """Train ``model`` in place on ``domain_rows``, mixed with ``replay_rows``; returns
-    what the run did. The model stays on its device and dtype (train a float32 copy)."""
+    what the run did. The model stays on its device and dtype (train a float32 copy).
+    ``pace(step_seconds)`` is called after every step (it may pause the run there: the
+    cost to serving, adaptation/pacing.py); ``max_seconds`` counts its pauses."""
     if not domain_rows:
         raise ValueError("no training rows for the domain")
     device = next(model.parameters()).device
@@ -123,6 +126,7 @@ def distill(
     step = 0
     try:
         while step < settings.steps and time.monotonic() - start < settings.max_seconds:
+            t_step = time.monotonic()
             batch = gen.choices(domain_rows, k=settings.batch_size - n_replay)
             batch += gen.choices(replay_rows, k=n_replay) if n_replay else []
             ids, mask, labels = collate(batch, pad_id, device)
@@ -142,6 +146,8 @@ def distill(
             if log is not None and step % settings.log_every == 0:
                 recent = losses[-settings.log_every :]
                 log(f"step {step}/{settings.steps}: loss {sum(recent) / len(recent):.3f}")
+            if pace is not None:
+                pace(time.monotonic() - t_step)
     finally:
         model.eval()
     window = max(1, min(settings.log_every, len(losses)))

@@ -292,9 +292,10 @@ async def phase(server, http, traffic, prompts, args, rows, name, done) -> None:
 
 
 async def serving_cost(server: Server, prompts: Prompts, args) -> dict:
-    """What a run costs serving: Python traffic's tokens/s in windows with no run, with
-    a run at the shipped ``niceness`` and with one at priority 0, interleaved. The runs
-    are on-demand with an unreachable ``min_gain`` (never deployed: one draft throughout)
+    """What a run costs serving: Python traffic's tokens/s in windows with no run, with a
+    run as shipped (its ``niceness`` and ``max_serving_slowdown``), with one at priority 0
+    unpaced, and with one at priority 0 paced as shipped, interleaved. The runs are
+    on-demand with an unreachable ``min_gain`` (never deployed: one draft throughout)
     and train longer than a window."""
     base = f"http://127.0.0.1:{server.port}"
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
@@ -302,41 +303,59 @@ async def serving_cost(server: Server, prompts: Prompts, args) -> dict:
         traffic = Traffic(http, prompts, args)
         clients = [asyncio.create_task(traffic.client()) for _ in range(args.concurrency)]
         windows: list[dict] = []
-        trainer = server.config["adaptation"]["trainer"]
-        shipped_niceness = TrainerConfig(**trainer).niceness
         try:
             await asyncio.sleep(args.window_s)  # warm, and requests retained to train on
             for rep in range(args.reps):
-                for niceness in (None, shipped_niceness, 0):
-                    windows.append(await cost_window(server, traffic, args, niceness, rep))
+                for label, over in COST_VARIANTS.items():
+                    windows.append(await cost_window(server, traffic, args, label, over, rep))
         finally:
             for c in clients:
                 c.cancel()
-    out: dict = {"startup_s": startup_s, "windows": windows}
-    idle = [w["tokens_per_s"] for w in windows if w["niceness"] is None]
-    for nice in sorted({w["niceness"] for w in windows if w["niceness"] is not None}):
-        busy = [w["tokens_per_s"] for w in windows if w["niceness"] == nice]
-        out[f"training_nice_{nice}_over_idle"] = (sum(busy) / len(busy)) / (sum(idle) / len(idle))
+    shipped = TrainerConfig(**server.config["adaptation"]["trainer"])
+    out: dict = {
+        "startup_s": startup_s,
+        "windows": windows,
+        "shipped": {
+            "niceness": shipped.niceness,
+            "max_serving_slowdown": shipped.max_serving_slowdown,
+        },
+    }
+    idle = [w["tokens_per_s"] for w in windows if w["variant"] == "idle"]
+    for label in COST_VARIANTS:
+        busy = [w["tokens_per_s"] for w in windows if w["variant"] == label]
+        if label != "idle":
+            out[f"{label}_over_idle"] = (sum(busy) / len(busy)) / (sum(idle) / len(idle))
     out["totals"] = {k: getattr(traffic, k) for k in ("requests", "failed", "mismatches")}
     return out
 
 
-async def cost_window(server, traffic, args, niceness, rep) -> dict:
-    """Traffic tokens/s over one window, with a run at ``niceness`` going (None: none)."""
+# A run's trainer overrides per variant (None: no run); the others keep the shipped ones.
+COST_VARIANTS: dict[str, dict | None] = {
+    "idle": None,
+    "shipped": {},
+    "priority0_unpaced": {"niceness": 0, "max_serving_slowdown": 1.0},
+    "priority0_paced": {"niceness": 0},
+}
+
+
+async def cost_window(server, traffic, args, label, over, rep) -> dict:
+    """Traffic tokens/s over one window, with a run with trainer overrides ``over`` going
+    (None: no run)."""
     run = None
-    if niceness is not None:
-        over = {"niceness": niceness, "min_gain": 10.0, "steps": 100_000}
-        over["max_seconds"] = args.window_s + 10
+    if over is not None:
+        over = {**over, "min_gain": 10.0, "steps": 100_000, "max_seconds": args.window_s + 10}
         run = asyncio.ensure_future(server.adaptation.adapt.remote("python", over))
         await asyncio.sleep(5)  # the task starts and loads the draft
     tokens0, t0 = traffic.tokens, time.monotonic()
     await asyncio.sleep(args.window_s)
     rate = (traffic.tokens - tokens0) / (time.monotonic() - t0)
-    steps = None
+    steps = pacing = None
     if run is not None:
-        steps = (await run)["train"]["steps"]
-    print({"rep": rep, "niceness": niceness, "tokens_per_s": round(rate, 1), "steps": steps})
-    return {"rep": rep, "niceness": niceness, "tokens_per_s": rate, "train_steps": steps}
+        summary = await run
+        steps, pacing = summary["train"]["steps"], summary.get("pacing")
+    row = {"rep": rep, "variant": label, "tokens_per_s": rate, "train_steps": steps}
+    print({**row, "tokens_per_s": round(rate, 1), "pacing": pacing})
+    return {**row, "pacing": pacing}
 
 
 def learnt(rows, args) -> bool:
@@ -482,11 +501,10 @@ def plot_cost(results: dict, path: Path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = {None: "no run"}
+    colors = {label: f"C{i}" for i, label in enumerate(COST_VARIANTS)}
     for i, w in enumerate(results["windows"]):
-        label = labels.get(w["niceness"], f"run, nice {w['niceness']}")
-        color = "C0" if w["niceness"] is None else ("C2" if w["niceness"] == 0 else "C1")
-        ax.bar(i, w["tokens_per_s"], color=color, label=label)
+        label = w["variant"]
+        ax.bar(i, w["tokens_per_s"], color=colors[label], label=label.replace("_", " "))
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles, strict=True))
     ax.legend(unique.values(), unique.keys(), fontsize=8)

@@ -165,7 +165,7 @@ def main() -> None:
     a = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(MODELS / "demo-target")
     loads = workloads(a.offset, a.prompts, tokenizer)
-    ray.init(ignore_reinit_error=True)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # as make serve
     try:
         url = start_server(a.proposers, a.max_tokens)
         results = run(url, loads, a.max_tokens)

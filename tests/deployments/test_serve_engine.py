@@ -134,6 +134,8 @@ def test_an_adaptation_run_reaches_the_replicas_draft_and_output_stays_exact(
     summary = store.adapt.remote("python").result()
     assert summary["outcome"] == "deployed" and summary["version"] == 1, summary
     assert summary["train"]["steps"] == 5 and summary["held_back_requests"] >= 1
+    # Paced by serving's speed (the monitor's, read from the run's own task).
+    assert summary["pacing"] is not None and 0.0 < summary["pacing"]["duty"] <= 1.0
     while serve_engine.health_info.remote().result()["draft_version"] != 1:
         assert time.monotonic() < deadline + 60, "the replica never served version 1"
         time.sleep(0.2)
