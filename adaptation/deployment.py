@@ -167,6 +167,7 @@ class AdaptationDeployment:
         # version -> (base version, its LowRankUpdate in the object store): adapter runs
         self._updates: dict[int, tuple[int, Any]] = {}
         self._run: asyncio.Task | None = None
+        self._run_ended = float("-inf")  # when the last run's task ended [monotonic s]
         self._pending: dict[str, PendingDomain] = {}  # domains whose drift alert fires
         self._episodes: dict[str, PendingDomain] = {}  # each domain's latest drift
         self._wake = asyncio.Event()  # a replica reported an alert: look at once
@@ -448,7 +449,7 @@ class AdaptationDeployment:
         )
         served = self.history.current
         current = self._refs.get(served.weights_of)  # (resolved by Ray in the task)
-        baseline = await self._serving_speed(cfg.pacing_window_s)
+        baseline = await self._baseline(cfg.pacing_window_s)
         try:
             result = await task.remote(
                 self.source,
@@ -466,7 +467,17 @@ class AdaptationDeployment:
             self._note({"domain": domain, "outcome": "failed", "error": repr(exc)[:500]})
             self._event("failed", domain, repr(exc)[:500])
             raise
+        finally:
+            self._run_ended = time.monotonic()
         return self._conclude(result, served)
+
+    async def _baseline(self, window_s: float) -> float | None:
+        """Serving's speed before a run, over a window no earlier run trained in (a run
+        right after another would take the slowdown it caused as normal)."""
+        wait = self._run_ended + window_s - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return await self._serving_speed(window_s)
 
     async def _serving_speed(self, window_s: float) -> float | None:
         """Serving's speed now (the monitor's; None: no monitor, no traffic, no answer)."""

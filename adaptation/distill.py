@@ -11,6 +11,14 @@ Why replay: a draft tuned on one domain alone forgets the others (the drift scen
 draft that learnt Python and lost prose; tuning it on prose alone would lose Python).
 Each batch mixes rows of the drifted domain with rows retained from the other domains.
 
+Token-level distillation (``teacher``, ``DistillSettings.teacher_top_k``): the target's
+own next-token distribution at each output position, cut to its ``top_k`` likeliest
+tokens and renormalised, replaces the one committed token as the label (the loss is the
+cross-entropy of the draft against it). It carries what the target thought of the tokens
+it did not commit, which a draft's acceptance depends on at temperature > 0, at the cost
+of a target pass per training row. ``bench.distill --token-level`` measures it against
+sequence-level on the demo pair.
+
 Pure torch (no Ray): the trainer deployment runs it on a copy of the draft's weights.
 """
 
@@ -43,6 +51,7 @@ class DistillSettings:
     replay_fraction: float = 0.5  # of each batch from the other domains, when there are any
     seed: int = 0
     log_every: int = 25  # steps between progress reports
+    teacher_top_k: int = 16  # token-level: the teacher's likeliest tokens kept per position
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +114,14 @@ def distill(
     pad_id: int = 0,
     log: Callable[[str], None] | None = None,
     pace: Callable[[float], None] | None = None,
+    teacher: torch.nn.Module | None = None,
 ) -> DistillReport:
     """Train ``model`` in place on ``domain_rows``, mixed with ``replay_rows``; returns
     what the run did. The model stays on its device and dtype (train a float32 copy).
     ``pace(step_seconds)`` is called after every step (it may pause the run there: the
-    cost to serving, adaptation/pacing.py); ``max_seconds`` counts its pauses."""
+    cost to serving, adaptation/pacing.py); ``max_seconds`` counts its pauses. With a
+    ``teacher`` (the target, on the model's device) the labels are its top-k
+    distributions (token-level), else the committed tokens (sequence-level)."""
     if not domain_rows:
         raise ValueError("no training rows for the domain")
     device = next(model.parameters()).device
@@ -133,9 +145,12 @@ def distill(
             for group in opt.param_groups:
                 group["lr"] = _lr(settings, step)
             logits = model(input_ids=ids, attention_mask=mask).logits  # [b, n, vocab]
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE
-            )
+            if teacher is None:
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE
+                )
+            else:
+                loss = _token_level_loss(logits, teacher, ids, mask, labels, settings)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, settings.grad_clip)
@@ -159,6 +174,23 @@ def distill(
         last_loss=sum(losses[-window:]) / window if losses else math.nan,
         stopped_by_time=step < settings.steps,
     )
+
+
+def _token_level_loss(logits, teacher, ids, mask, labels, settings) -> torch.Tensor:
+    """Cross-entropy of the draft's ``logits`` [b, n, vocab] against the teacher's top-k
+    distribution at each labelled (output) position [nats/position]."""
+    keep = labels != IGNORE  # [b, n]
+    with torch.no_grad():
+        t_logits = teacher(input_ids=ids, attention_mask=mask).logits[keep].float()  # [m, V]
+        width = min(settings.teacher_top_k, t_logits.shape[-1], logits.shape[-1])
+        top, index = t_logits.topk(width, dim=-1)  # [m, width]
+        weights = torch.softmax(top, dim=-1)  # renormalised over the kept tokens
+        inside = index < logits.shape[-1]  # ids the draft's vocabulary has (padding differs)
+        weights = weights * inside
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-12)
+        index = torch.where(inside, index, 0)
+    log_q = torch.log_softmax(logits[keep].float(), dim=-1)  # [m, vocab]
+    return -(weights * log_q.gather(1, index)).sum(-1).mean()
 
 
 def _lr(settings: DistillSettings, step: int) -> float:

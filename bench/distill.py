@@ -110,13 +110,33 @@ def run(args) -> dict:
     out["drafts"]["drift (before)"] = score(drift.eval())
     out["drafts"]["general (reference)"] = score(general.eval())
     print(json.dumps(out["drafts"]), flush=True)
+    teacher = None
+    if args.token_level:
+        teacher = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target", dtype=torch.float32)
+        teacher.eval()
+    # Interleaved by training length: sequence-level, then (asked) token-level, same seed.
     for steps in args.steps:
-        model = copy.deepcopy(drift)
-        settings = DistillSettings(steps=steps, max_seconds=900, lr=args.lr)
-        report = distill(model, rows["traffic"], rows["replay"], settings)
-        name = f"drift + {steps} steps"
-        out["drafts"][name] = {**score(model), "train_s": report.seconds, "loss": report.last_loss}
-        print(name, json.dumps(out["drafts"][name]), flush=True)
+        for level in ("sequence", "token") if teacher is not None else ("sequence",):
+            model = copy.deepcopy(drift)
+            settings = DistillSettings(
+                steps=steps, max_seconds=900, lr=args.lr, teacher_top_k=args.top_k
+            )
+            report = distill(
+                model,
+                rows["traffic"],
+                rows["replay"],
+                settings,
+                teacher=teacher if level == "token" else None,
+            )
+            name = f"drift + {steps} steps" + (
+                f" (token-level, top {args.top_k})" if level == "token" else ""
+            )
+            out["drafts"][name] = {
+                **score(model),
+                "train_s": report.seconds,
+                "loss": report.last_loss,
+            }
+            print(name, json.dumps(out["drafts"][name]), flush=True)
     return out
 
 
@@ -148,10 +168,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, nargs="+", default=[50, 150])
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--token-level",
+        action="store_true",
+        help="also distil on the target's top-k distributions (a target pass per row)",
+    )
+    ap.add_argument("--top-k", type=int, default=16, help="--token-level: tokens kept")
     args = ap.parse_args()
     torch.set_num_threads(2)
     results = run(args)
-    path = write_result("distill", vars(args), results)
+    path = write_result(
+        "distill_token_level" if args.token_level else "distill", vars(args), results
+    )
     plot(results, path.with_suffix(".png"), args.k)
     print(f"wrote {path}")
 

@@ -91,6 +91,53 @@ def test_a_draft_distilled_on_a_targets_outputs_agrees_with_it_more():
     assert not draft.training  # left in eval mode
 
 
+def test_token_level_at_top_1_on_greedy_outputs_is_sequence_level():
+    """On a target's greedy outputs its top-1 distribution is the committed token, so
+    token-level distillation at top_k = 1 takes the very steps sequence-level takes."""
+    target = tiny(0)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, VOCAB, (5,), generator=gen).tolist() for _ in range(8)]
+    rows = training_rows(greedy_records(target, prompts, 6, "d"), 64)
+    settings = DistillSettings(steps=3, lr=3e-3, teacher_top_k=1, batch_size=4)
+    seq, tok = tiny(1), tiny(1)
+    a = distill(seq, rows, [], settings)
+    b = distill(tok, rows, [], settings, teacher=target)
+    assert a.first_loss == pytest.approx(b.first_loss, rel=1e-5)
+    for p, q in zip(seq.parameters(), tok.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_token_level_distillation_brings_the_draft_to_the_teachers_distribution():
+    """At top_k = 16 the draft learns the teacher's whole top of the distribution: its
+    KL to the teacher's (top-16, renormalised) distribution at output positions falls
+    further than sequence-level training on the same rows and steps takes it."""
+    target = tiny(0)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (6,), generator=gen).tolist() for _ in range(24)]
+    rows = training_rows(greedy_records(target, prompts, 10, "d"), 64)
+
+    def kl_to_teacher(model) -> float:
+        ids, mask, labels = collate(rows, 0, torch.device("cpu"))
+        keep = labels != IGNORE
+        with torch.no_grad():
+            t = target(input_ids=ids, attention_mask=mask).logits[keep]
+            top, index = t.topk(16, dim=-1)
+            w = torch.softmax(top, dim=-1)
+            log_q = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[keep], -1)
+        return float((w * (w.log() - log_q.gather(1, index))).sum(-1).mean())
+
+    settings = DistillSettings(steps=60, lr=3e-3, teacher_top_k=16)
+    seq, tok = tiny(1), tiny(1)
+    before = kl_to_teacher(seq)
+    distill(seq, rows, [], settings)
+    distill(tok, rows, [], settings, teacher=target)
+    assert kl_to_teacher(tok) < 0.5 * kl_to_teacher(seq) < before, (
+        before,
+        kl_to_teacher(seq),
+        kl_to_teacher(tok),
+    )
+
+
 def test_a_run_trains_where_gradients_were_turned_off():
     """Serving code (and benchmarks in the same process) turn gradients off globally."""
     rows = [TrainingRow((1, 2, 3, 4), 2)]
