@@ -140,8 +140,8 @@ class TrainerConfig(BaseModel):
         ge=0.0,
         le=1.0,
         description="The most a run may slow serving: the run pauses between optimizer "
-        "steps so that serving's speed (committed tokens per second of the engines' round "
-        "time, from the monitor) stays at least (1 - this) x its speed before the run "
+        "steps so that serving's speed (output tokens per second of request time, from the "
+        "monitor) stays at least (1 - this) x its speed before the run "
         "(adaptation/pacing.py: the pause doubles while serving is slower, shrinks while "
         "it is not). 1: never pause.",
     )

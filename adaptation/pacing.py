@@ -6,8 +6,10 @@ two cores; on a GPU node, the draft's GPU when ``trainer.num_gpus`` shares it), 
 priority it lowers itself to does not bound what it takes on a GPU, or from a serving
 process that sleeps between rounds. So the run paces itself: after each optimizer step of
 ``s`` seconds it pauses ``s * (1 - duty) / duty``, and the duty follows serving's speed,
-measured by the monitor as committed tokens per second of the engines' rounds (busy time:
-so a quiet period is not mistaken for a slowdown):
+measured by the monitor as output tokens per second of request time over the requests that
+finished in the last window (so a quiet period is not mistaken for a slowdown; the
+engines' round time alone missed most of it: on 2 shared cores a run slows the replica's
+HTTP and frontend work as much as the rounds):
 
 * speed below ``(1 - max_slowdown) x`` the speed before the run: the duty halves (down to
   ``min_duty``);
@@ -38,7 +40,9 @@ class ServingPace:
         if not 0.0 <= max_slowdown <= 1.0 or not 0.0 < min_duty <= 1.0 or window_s <= 0:
             raise ValueError("need 0 <= max_slowdown <= 1, 0 < min_duty <= 1, window_s > 0")
         self.max_slowdown, self.min_duty, self.step_up = max_slowdown, min_duty, step_up
-        self.baseline = baseline if baseline and baseline > 0 else None  # [tokens/s busy]
+        self.baseline = (
+            baseline if baseline and baseline > 0 else None
+        )  # [tokens/s of request time]
         self.window_s = window_s
         self.duty = 1.0  # the fraction of wall time the run computes
         # pausing to measure the baseline: the windows still to skip before the one taken
@@ -52,7 +56,7 @@ class ServingPace:
         return self.max_slowdown >= 1.0
 
     def observe(self, speed: float | None) -> None:
-        """Serving's speed over the last window [committed tokens per busy second]; None
+        """Serving's speed over the last window [output tokens per second of request time]; None
         while it served nothing (no evidence either way: the duty stays)."""
         if self.off or speed is None or speed <= 0:
             return

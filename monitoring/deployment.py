@@ -100,7 +100,7 @@ class MonitorDeployment:
         return self.monitor.versions.counts(domain, last_rounds)
 
     async def serving_speed(self, window_s: float = 5.0) -> float | None:
-        """Committed tokens per second of round time over the last ``window_s`` (see
+        """Output tokens per second of request time over the last ``window_s`` (see
         Monitor.serving_speed): what a training run keeps its cost to serving by."""
         return self.monitor.serving_speed(window_s)
 

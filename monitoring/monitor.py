@@ -74,7 +74,7 @@ class Monitor:
         # replica's cursor from before must not skip (or replay) them.
         self.epoch = uuid.uuid4().hex[:12]
         self.clock = clock
-        # (unix s, tokens committed, seconds of round time) per report, the last
+        # (unix s, output tokens, duration s) per finished request, the last
         # SPEED_HISTORY_S: what serving_speed divides
         self._speed: deque[tuple[float, int, float]] = deque()
         # domain -> the last report after which its forward CUSUM stood at 0 [unix s]: when
@@ -89,7 +89,6 @@ class Monitor:
     def report(self, batch: RoundBatch) -> list[DriftEvent]:
         """Record one replica flush; returns the drift alerts it started or resolved."""
         self.metrics.record_rounds(batch)
-        self._note_speed(batch)
         for domain, choice in batch.policy.items():
             ratios = choice.get("round_time_ratio") or {}
             if ratios:
@@ -132,6 +131,7 @@ class Monitor:
 
     def report_request(self, record: RequestRecord) -> None:
         self.metrics.record_request(record)
+        self._note_speed(record)
 
     def alerts_since(self, cursor: AlertCursor | None) -> ReportReply:
         """Alert changes after ``cursor`` for the replicas' length policies, and the
@@ -232,27 +232,29 @@ class Monitor:
         self.meter_provider.shutdown()
         self.logger_provider.shutdown()
 
-    def _note_speed(self, batch: RoundBatch) -> None:
-        busy = sum(batch.verify_s) + sum(batch.draft_wait_s) + sum(batch.overhead_s)
-        if busy <= 0:
+    def _note_speed(self, record: RequestRecord) -> None:
+        if record.error_type is not None or record.output_tokens <= 0 or record.duration_s <= 0:
             return
         now = self.clock()
-        self._speed.append((now, sum(batch.committed.values()), busy))
+        self._speed.append((now, record.output_tokens, record.duration_s))
         while self._speed and self._speed[0][0] < now - self.SPEED_HISTORY_S:
             self._speed.popleft()
 
     def serving_speed(self, window_s: float) -> float | None:
-        """Tokens committed per second of the engines' round time (every replica's rounds
-        together) over the last ``window_s``: how fast serving works while it works, so
-        an idle stretch is not a slowdown (a training run paces itself by it,
-        adaptation/pacing.py). None without rounds in the window."""
+        """Output tokens per second of request time, over the requests that finished in
+        the last ``window_s`` on every replica (their tokens summed over their durations):
+        how fast a request is served, whatever the replica does between requests, so an
+        idle stretch is not a slowdown (a training run paces itself by it,
+        adaptation/pacing.py). It falls as well when more requests share the engine: the
+        pacing compares it over seconds, in which the offered load seldom changes much.
+        None without a finished request in the window."""
         since = self.clock() - window_s
-        tokens = busy = 0.0
-        for at, n, seconds in reversed(self._speed):
+        tokens = seconds = 0.0
+        for at, n, duration in reversed(self._speed):
             if at < since:
                 break
-            tokens, busy = tokens + n, busy + seconds
-        return tokens / busy if busy > 0 else None
+            tokens, seconds = tokens + n, seconds + duration
+        return tokens / seconds if seconds > 0 else None
 
 
 def build_providers(

@@ -382,16 +382,23 @@ def test_ngram_rounds_are_counted_by_proposer_but_never_drift(monitor):
     assert sum(r for r, _, _ in mon.versions.counts("code").values()) == 1500
 
 
-def test_serving_speed_is_tokens_per_second_of_round_time_over_a_window():
+def test_serving_speed_is_output_tokens_per_second_of_request_time_over_a_window():
     now = [1000.0]
     mon = Monitor(MeterProvider(), LoggerProvider(), FAST, clock=lambda: now[0])
     assert mon.serving_speed(5.0) is None  # nothing served
-    timing = {"verify_s": [0.1] * 4, "draft_wait_s": [0.05] * 4, "overhead_s": [0.05] * 4}
-    mon.report(batch([], committed={"a": 40}, **timing))  # 40 tokens in 0.8 s of rounds
+
+    def finished(tokens, seconds, error=None):
+        mon.report_request(
+            RequestRecord("demo-target", "r1", "a", "text_completion", 0.1, seconds, tokens, error)
+        )
+
+    finished(40, 0.5)
+    finished(20, 0.5)
+    finished(30, 9.0, error="cancelled")  # a failed or abandoned request says nothing
     now[0] += 3.0
-    mon.report(batch([], committed={"a": 10, "b": 10}, **timing))
-    assert mon.serving_speed(5.0) == pytest.approx(60 / 1.6)
-    assert mon.serving_speed(2.0) == pytest.approx(20 / 0.8)  # the newest report alone
+    finished(60, 1.0)
+    assert mon.serving_speed(5.0) == pytest.approx(120 / 2.0)
+    assert mon.serving_speed(2.0) == pytest.approx(60 / 1.0)  # the newest request alone
     now[0] += 10.0
     assert mon.serving_speed(5.0) is None  # idle since: no evidence, not a slowdown
     mon.shutdown()
