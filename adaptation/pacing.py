@@ -11,9 +11,10 @@ finished in the last window (so a quiet period is not mistaken for a slowdown; t
 engines' round time alone missed most of it: on 2 shared cores a run slows the replica's
 HTTP and frontend work as much as the rounds):
 
+* it starts at ``start_duty`` (a half);
 * speed below ``(1 - max_slowdown) x`` the speed before the run: the duty halves (down to
   ``min_duty``);
-* otherwise it grows back by ``step_up`` (up to 1: no pause).
+* otherwise it grows by ``step_up`` (up to 1: no pause).
 
 The speed before the run is its baseline. A run that starts on an idle app has none: when
 traffic appears it pauses for two measuring windows, and what serving did in the second
@@ -36,15 +37,21 @@ class ServingPace:
         window_s: float,
         min_duty: float = 0.05,
         step_up: float = 0.1,
+        start_duty: float = 0.5,
     ):
-        if not 0.0 <= max_slowdown <= 1.0 or not 0.0 < min_duty <= 1.0 or window_s <= 0:
-            raise ValueError("need 0 <= max_slowdown <= 1, 0 < min_duty <= 1, window_s > 0")
+        if not 0.0 <= max_slowdown <= 1.0 or not 0.0 < min_duty <= start_duty <= 1.0:
+            raise ValueError("need 0 <= max_slowdown <= 1 and 0 < min_duty <= start_duty <= 1")
+        if window_s <= 0:
+            raise ValueError("need window_s > 0")
         self.max_slowdown, self.min_duty, self.step_up = max_slowdown, min_duty, step_up
         self.baseline = (
             baseline if baseline and baseline > 0 else None
         )  # [tokens/s of request time]
         self.window_s = window_s
-        self.duty = 1.0  # the fraction of wall time the run computes
+        # the fraction of wall time the run computes: half at first (a run's first
+        # window would otherwise cost serving everything its cores can take), growing
+        # while serving keeps its speed
+        self.duty = start_duty
         # pausing to measure the baseline: the windows still to skip before the one taken
         # (the first may hold the end of the step that was running when traffic came)
         self.calibrating: int | None = None

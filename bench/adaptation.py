@@ -305,8 +305,10 @@ async def serving_cost(server: Server, prompts: Prompts, args) -> dict:
         windows: list[dict] = []
         try:
             await asyncio.sleep(args.window_s)  # warm, and requests retained to train on
-            for rep in range(args.reps):
-                for label, over in COST_VARIANTS.items():
+            labels = list(COST_VARIANTS)
+            for rep in range(args.reps):  # the order rotates: no variant always follows one
+                for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
+                    over = COST_VARIANTS[label]
                     windows.append(await cost_window(server, traffic, args, label, over, rep))
         finally:
             for c in clients:

@@ -7,7 +7,7 @@ from adaptation.pacing import ServingPace
 
 
 def test_the_duty_halves_below_the_bound_and_grows_back_above_it():
-    pace = ServingPace(max_slowdown=0.2, baseline=100.0, window_s=2.0)
+    pace = ServingPace(max_slowdown=0.2, baseline=100.0, window_s=2.0, start_duty=1.0)
     assert pace.pause_after(1.0) == 0.0  # full duty: no pause
     pace.observe(79.0)  # below 0.8 x 100
     assert pace.duty == 0.5 and pace.pause_after(1.0) == pytest.approx(1.0)
@@ -30,7 +30,7 @@ def test_the_duty_never_falls_below_its_floor_and_quiet_windows_change_nothing()
 
 
 def test_an_idle_start_measures_its_baseline_in_a_pause_once_traffic_comes():
-    pace = ServingPace(max_slowdown=0.2, baseline=None, window_s=3.0)
+    pace = ServingPace(max_slowdown=0.2, baseline=None, window_s=3.0, start_duty=1.0)
     pace.observe(None)
     assert pace.pause_after(1.0) == 0.0  # no traffic: train freely
     pace.observe(40.0)  # traffic, measured while training: not a baseline
@@ -42,10 +42,18 @@ def test_an_idle_start_measures_its_baseline_in_a_pause_once_traffic_comes():
     assert pace.duty == 0.5
 
 
+def test_a_run_starts_at_half_duty_and_grows_while_serving_keeps_its_speed():
+    pace = ServingPace(max_slowdown=0.2, baseline=100.0, window_s=2.0)
+    assert pace.duty == 0.5 and pace.pause_after(1.0) == pytest.approx(1.0)
+    for _ in range(5):
+        pace.observe(90.0)
+    assert pace.duty == pytest.approx(1.0)
+
+
 def test_a_bound_of_one_never_pauses_and_bad_settings_are_refused():
     pace = ServingPace(max_slowdown=1.0, baseline=10.0, window_s=1.0)
     pace.observe(0.5)
-    assert pace.pause_after(1.0) == 0.0 and pace.duty == 1.0
+    assert pace.pause_after(1.0) == 0.0 and pace.violations == 0
     with pytest.raises(ValueError):
         ServingPace(max_slowdown=1.5, baseline=None, window_s=1.0)
     with pytest.raises(ValueError):
