@@ -142,8 +142,9 @@ class TrainerConfig(BaseModel):
         description="The most a run may slow serving: the run pauses between optimizer "
         "steps so that serving's speed (output tokens per second of request time, from the "
         "monitor) stays at least (1 - this) x its speed before the run "
-        "(adaptation/pacing.py: the pause doubles while serving is slower, shrinks while "
-        "it is not). 1: never pause.",
+        "(adaptation/pacing.py: the share of time the run trains starts at a half, halves "
+        "while serving is slower, grows by a tenth per window while it is not). 1: never "
+        "pause.",
     )
     pacing_window_s: float = Field(
         default=5.0,

@@ -449,7 +449,8 @@ class AdaptationDeployment:
         )
         served = self.history.current
         current = self._refs.get(served.weights_of)  # (resolved by Ray in the task)
-        baseline = await self._baseline(cfg.pacing_window_s)
+        paced = self.monitor is not None and cfg.max_serving_slowdown < 1.0
+        baseline = await self._baseline(cfg.pacing_window_s) if paced else None
         try:
             result = await task.remote(
                 self.source,

@@ -65,7 +65,12 @@ class ServingPace:
     def observe(self, speed: float | None) -> None:
         """Serving's speed over the last window [output tokens per second of request time]; None
         while it served nothing (no evidence either way: the duty stays)."""
-        if self.off or speed is None or speed <= 0:
+        if self.off:
+            return
+        if speed is None or speed <= 0:
+            # Nothing served: no evidence of a slowdown. A calibration stops (the run
+            # trains on; it measures again when traffic comes back).
+            self.calibrating = None
             return
         if self.calibrating is not None:
             if self.calibrating == 0:  # this window ran without training: the baseline

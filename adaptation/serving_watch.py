@@ -16,14 +16,15 @@ CALL_TIMEOUT_S = 30.0
 
 class ServingWatch:
     """Feeds ``pace`` with the monitor's serving speed every ``pace.window_s`` on a thread
-    of the run's own task, and pauses the run after each step as it says."""
+    of the run's own task, from the run's first optimizer step on (loading and scoring
+    before it are not what the duty governs), and pauses the run after each step as it
+    says."""
 
     def __init__(self, monitor, pace: ServingPace):
         self.monitor, self.pace = monitor, pace
         self._lock = threading.Lock()  # the pace is read by the run, fed by the thread
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="serving-watch", daemon=True)
-        self._thread.start()
 
     def _loop(self) -> None:
         while not self._stopped.wait(self.pace.window_s):
@@ -39,6 +40,8 @@ class ServingWatch:
 
     def after_step(self, step_s: float) -> None:
         """The pause after an optimizer step of ``step_s`` seconds (often none)."""
+        if not self._thread.is_alive() and not self._stopped.is_set():
+            self._thread.start()  # the first step: watching starts now
         with self._lock:
             pause = self.pace.pause_after(step_s)
         if pause > 0:
@@ -47,6 +50,7 @@ class ServingWatch:
     def stop(self) -> dict:
         """End the thread; what pacing did (for the run's summary)."""
         self._stopped.set()
-        self._thread.join(timeout=CALL_TIMEOUT_S + 1)
+        if self._thread.is_alive():
+            self._thread.join(timeout=CALL_TIMEOUT_S + 1)
         with self._lock:
             return self.pace.report()

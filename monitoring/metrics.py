@@ -71,6 +71,15 @@ class SpecServeMetrics:
             "specserve.speculation.break_even_alpha",
             description="Per-token acceptance below which speculation loses time.",
         )
+        self.proposer_goodput = g(
+            "specserve.speculation.proposer_goodput",
+            description="Per domain, batch-size bucket and proposer: the committed tokens "
+            "per second a row measured (speculation.proposers with the goodput policy).",
+        )
+        self.proposer_in_use = g(
+            "specserve.speculation.proposer_in_use",
+            description="1 for the proposer a domain's rows of a batch-size bucket get.",
+        )
         self.drift = g(
             "specserve.acceptance_drift", description="1 while a drift alert fires for a domain."
         )
@@ -165,7 +174,8 @@ class SpecServeMetrics:
                 self.drafts_per_pos.add(1, at)
                 if pos < r.accepted:
                     self.accepted_per_pos.add(1, at)
-            (self.cache_hits if r.cache_hit else self.cache_misses).add(1, base)
+            if r.proposer == "draft_model":  # (lookup rounds never wait for drafts)
+                (self.cache_hits if r.cache_hit else self.cache_misses).add(1, base)
         for domain, tokens in batch.committed.items():
             self.generation_tokens.add(tokens, {**base, "domain": domain})
         for hist, values in (
@@ -205,6 +215,16 @@ class SpecServeMetrics:
         self.k.set(k, attrs)
         self.enabled.set(int(k > 0), attrs)
         self.break_even.set(break_even, attrs)
+
+    def set_proposers(self, model: str, replica: str, domain: str, buckets: dict) -> None:
+        """The proposer choice of one domain: ``{bucket: {"method", "goodput": {m: r}}}``."""
+        for bucket, info in buckets.items():
+            base = {"model": model, "replica": replica, "domain": domain, "bucket": bucket}
+            for method, rate in (info.get("goodput") or {}).items():
+                attrs = {**base, "proposer": method}
+                self.proposer_in_use.set(int(method == info.get("method")), attrs)
+                if rate is not None:
+                    self.proposer_goodput.set(rate, attrs)
 
     def set_drift(self, model: str, domain: str, firing: bool, baseline: float | None) -> None:
         attrs = {"model": model, "domain": domain}

@@ -93,6 +93,8 @@ class Monitor:
             ratios = choice.get("round_time_ratio") or {}
             if ratios:
                 self._set_ratios(batch.replica, domain, ratios)
+            if choice.get("proposers"):
+                self.metrics.set_proposers(batch.model, batch.replica, domain, choice["proposers"])
             k = choice.get("k")
             if k is not None:
                 be = self._break_even(k, ratios.get(k))

@@ -150,7 +150,8 @@ class ProposerChoice:
 
     def state(self) -> dict[str, dict[str, dict]]:
         """Per domain, per bucket: the proposer in use and each one's measured goodput
-        [tokens/s per row] (for the telemetry and the stats)."""
+        [tokens/s per row] (the engine core publishes it with the length policy's state;
+        the monitor turns it into the proposer gauges)."""
         out: dict[str, dict[str, dict]] = {}
         for (domain, bucket), cell in self._cells.items():
             rates = {m: arm.rate() for m, arm in cell.arms.items()}

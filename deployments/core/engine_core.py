@@ -612,7 +612,7 @@ class EngineCore:
             # round's time says what resuming costs, not what a round at planned_k does.
             resuming=any(seq.resuming and seq.k_next > 0 for seq in seqs),
             policy_rows=bool(seqs) and all(seq.auto for seq in seqs),
-            ngram_rows=sum(seq.ngram_next > 0 for seq in seqs),
+            ngram_rows=sum(seq.method_next == "ngram" for seq in seqs),
             draft_wait_s=got.waited_s,
             draft_timeouts=len(got.timed_out) if got.had_draft else 0,
         )
@@ -702,7 +702,8 @@ class EngineCore:
     def _count(seq, stats, row, accepted, draft, kept, k_asked) -> None:
         """One row's outcome: into the round's stats and the request's counts."""
         drafted = len(row.draft_token_ids)
-        ngram = row.point_mass
+        # the proposer the row had this round (its lookup may have found nothing)
+        ngram = seq.method_next == "ngram"
         hit = not ngram and draft is not None and draft.speculative
         asked_planned = bool(stats.planned_k) and k_asked == stats.planned_k
         version = draft.draft_version if draft is not None and not ngram else 0
@@ -738,6 +739,9 @@ class EngineCore:
             now - self._policy_state_at >= POLICY_STATE_EVERY_S or not sched.running
         ):
             state, self._policy_state_at = sched.policy.state(), now
+            if sched.choice is not None:  # which proposer each domain's rows get, and why
+                for domain, buckets in sched.choice.state().items():
+                    state.setdefault(domain, {})["proposers"] = buckets
         with self._cv:
             self._telemetry.add(stats)
             if state is not None:

@@ -123,7 +123,7 @@ class Scheduler:
         cost measurement of the length policy runs every policy row on the draft model)."""
         if not seq.auto_method or self.choice is None:
             return seq.method
-        if not self.has_draft:
+        if not self.has_draft or seq.k <= 0:  # no draft, or drafting gave up on this row
             return "ngram"
         if self.forced is not None:
             return "draft_model"
@@ -259,7 +259,10 @@ class Scheduler:
         for row in model_rows:
             if row.draft_version == self.draft_version:  # (drafts of the old weights: stale)
                 self.policy.observe_round(row.domain, row.drafted, row.accepted)
-        if not stats.resuming and not stats.ngram_rows:
+        # A round with lookup rows says nothing clean of the draft model's costs, unless it
+        # is a cost measurement (then only requests that named n-gram lookup are on it,
+        # and a request that keeps naming it must not starve the bucket of measurements).
+        if not stats.resuming and (not stats.ngram_rows or self._forced_running is not None):
             at_planned = [
                 (row.domain, row.drafted, row.accepted) for row in stats.rows if row.asked_planned
             ]

@@ -58,3 +58,12 @@ def test_a_bound_of_one_never_pauses_and_bad_settings_are_refused():
         ServingPace(max_slowdown=1.5, baseline=None, window_s=1.0)
     with pytest.raises(ValueError):
         ServingPace(max_slowdown=0.2, baseline=None, window_s=0.0)
+
+
+def test_a_calibration_stops_when_the_traffic_goes_away():
+    """A short burst on an idle app must not hold the run in calibration pauses."""
+    pace = ServingPace(max_slowdown=0.2, baseline=None, window_s=5.0)
+    pace.observe(30.0)  # traffic: calibrate
+    assert pace.pause_after(0.1) == 10.0
+    pace.observe(None)  # gone again
+    assert pace.calibrating is None and pace.pause_after(0.1) == pytest.approx(0.1)

@@ -885,6 +885,9 @@ def test_the_proposer_choice_gives_repetitive_text_ngram_and_stays_exact(
         assert tokens == ref
     methods = {r.proposer for b in batches for r in b.rounds if r.drafted}
     assert methods == {"draft_model", "ngram"}, methods
+    # The choice is published with the policy's state (the monitor's proposer gauges).
+    chosen = [b.policy["rep"]["proposers"] for b in batches if "rep" in (b.policy or {})]
+    assert chosen and all(info["method"] in methods for c in chosen for info in c.values())
     assert sum(last.stats.ngram_rounds for _, last in out) > 0
 
 

@@ -402,3 +402,15 @@ def test_serving_speed_is_output_tokens_per_second_of_request_time_over_a_window
     now[0] += 10.0
     assert mon.serving_speed(5.0) is None  # idle since: no evidence, not a slowdown
     mon.shutdown()
+
+
+def test_the_proposer_choice_becomes_gauges(monitor):
+    mon, reader, _ = monitor
+    choice = {"1": {"method": "ngram", "goodput": {"draft_model": 40.0, "ngram": 55.0}}}
+    mon.report(batch([], policy={"code": {"proposers": choice}}))
+    in_use = points(reader, "specserve.speculation.proposer_in_use")
+    goodput = points(reader, "specserve.speculation.proposer_goodput")
+    key = {"model": "demo-target", "replica": "r1", "domain": "code", "bucket": "1"}
+    assert in_use[frozenset({**key, "proposer": "ngram"}.items())] == 1
+    assert in_use[frozenset({**key, "proposer": "draft_model"}.items())] == 0
+    assert goodput[frozenset({**key, "proposer": "ngram"}.items())] == 55.0
