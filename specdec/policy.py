@@ -382,7 +382,9 @@ class SpeculationLength:
 
     def alpha(self, domain: str) -> float | None:
         d = self._domains.get(domain)
-        return d.alpha() if d is not None and d.tokens >= self.min_tokens else None
+        # (a tolerance: a drift alert sets A + R to min_tokens, which its float parts,
+        # e.g. 0.05 x 24 + 0.95 x 24, may sum to just under)
+        return d.alpha() if d is not None and d.tokens >= self.min_tokens - 1e-9 else None
 
     # ----- the decision -------------------------------------------------------------------
 
@@ -458,20 +460,13 @@ class SpeculationLength:
         return alpha is None or 1.0 / max(1e-9, 1.0 - alpha) >= 1.0 + self.min_gain
 
     def round_time(self, batch_size: int, k: int) -> float | None:
-        """Predicted round time at draft length k (None until the bucket has data).
-
-        Never below the round time at k = 0: a round that drafts verifies more tokens
-        and waits for drafts, so a k > 0 measured faster is noise (cold first rounds at
-        k = 0, a busy host), and believing it would make drafting look like it pays at
-        an acceptance of 0, where every round commits one token whatever k is."""
+        """Predicted round time at draft length k (None until the bucket has data)."""
         c = self._costs.get(batch_bucket(batch_size))
         if c is None or not c.seconds:
             return None
-        t0 = c.seconds.get(0)
         if k == 0:
-            return t0
-        t = _interpolate(c.seconds, k)
-        return t if t is None or t0 is None else max(t, t0)
+            return c.seconds.get(0)
+        return _interpolate(c.seconds, k)
 
     def drafts_per_row(self, batch_size: int, k: int) -> float:
         """The drafts a drafting row is expected to get when k is asked for: measured in
@@ -497,9 +492,14 @@ class SpeculationLength:
         best, best_rate = 0, (1.0 + self.min_gain) / t0  # speculation must clearly pay
         for k in range(1, self.max_k + 1):
             t = self.round_time(batch_size, k)
-            if t is None:
+            tokens = self.tokens_per_row(alpha, batch_size, k)
+            # A k whose rounds would not commit min_gain more tokens than plain decoding
+            # never pays, whatever its measured time: a k > 0 measured faster than k = 0
+            # (cold first rounds at k = 0, a busy host) must not bring drafting back at
+            # an acceptance near 0, e.g. after a drift alert said 0.
+            if t is None or tokens < 1.0 + self.min_gain:
                 continue
-            rate = self.tokens_per_row(alpha, batch_size, k) / t
+            rate = tokens / t
             if rate > best_rate:
                 best, best_rate = k, rate
         if best > 0:  # speculation pays here: keep the costs of its rivals current
