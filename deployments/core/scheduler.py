@@ -129,18 +129,17 @@ class Scheduler:
             return "draft_model"
         return self.choice.choose(seq.domain, len(self.running))
 
-    def _ngram_k_for(self, seq: RunningSeq) -> int:
-        """n-gram drafts for the next round: the row's k, within max_tokens and context."""
+    def _room(self, seq: RunningSeq, draft_context: bool) -> int:
+        """Drafts the row can still take next round: within max_tokens and the target's
+        context, and (``draft_context``) the draft model's (may be negative)."""
         st = seq.state
         length = len(st.prompt_token_ids) + len(st.output_token_ids)
-        return max(
-            0,
-            min(
-                seq.ngram_k,
-                st.params.max_tokens - len(st.output_token_ids) - 1,
-                self.max_model_len - length,
-            ),
-        )
+        room = min(st.params.max_tokens - len(st.output_token_ids) - 1, self.max_model_len - length)
+        return min(room, self.draft_max_model_len - length - 1) if draft_context else room
+
+    def _ngram_k_for(self, seq: RunningSeq) -> int:
+        """n-gram drafts for the next round: the row's k, within max_tokens and context."""
+        return max(0, min(seq.ngram_k, self._room(seq, draft_context=False)))
 
     def k_for(self, seq: RunningSeq) -> int:
         """Draft length for the next round: the request's k or the policy's choice, never
@@ -150,17 +149,7 @@ class Scheduler:
         k = seq.k
         if seq.auto:
             k = min(k, self.policy.choose(seq.domain, len(self.running), forced=self.forced))
-        st = seq.state
-        length = len(st.prompt_token_ids) + len(st.output_token_ids)
-        return max(
-            0,
-            min(
-                k,
-                st.params.max_tokens - len(st.output_token_ids) - 1,
-                self.max_model_len - length,
-                self.draft_max_model_len - length - 1,
-            ),
-        )
+        return max(0, min(k, self._room(seq, draft_context=True)))
 
     def draft_item(self, seq: RunningSeq) -> DraftItem | None:
         """What the draft needs for the sequence's next round, or None once the length
