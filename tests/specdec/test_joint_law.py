@@ -551,6 +551,22 @@ def test_rejection_sample_mixed_greedy_and_sampled(record_property):
     assert pvalues["family"] > ALPHA, pvalues
 
 
+def assert_groups(roll, group, kinds, label, sampler, record_property) -> None:
+    """Each sampled kind of a batch against its own transformed chain: all pass with the
+    real sampler, the batch's weakest group is rejected with a wrong twin."""
+    family = {}
+    for g, (name, sp) in enumerate(kinds.items()):
+        if sp.is_greedy:
+            continue
+        pvalues = joint_law_pvalues(roll.seqs[group == g], table(P_LOGITS, sp))
+        report(f"{label}, {name} rows, sampler={sampler}", pvalues, record_property)
+        family[name] = pvalues["family"]
+    if sampler == "real":
+        assert min(family.values()) > ALPHA, family
+    else:
+        assert min(family.values()) < ALPHA, f"no power against {sampler}: {family}"
+
+
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 def test_verify_rows_mixed_greedy_and_sampled(sampler, monkeypatch, record_property):
     """One batch of greedy, T=1 and filtered (top-k/top-p) rows through verify_rows.
@@ -570,17 +586,7 @@ def test_verify_rows_mixed_greedy_and_sampled(sampler, monkeypatch, record_prope
     assert bool((greedy_rows == torch.tensor(greedy_chain())).all()), "greedy rows differ"
     assert_covered(roll.ends, [K])
 
-    family = {}
-    for g, (name, sp) in enumerate(kinds.items()):
-        if sp.is_greedy:
-            continue
-        pvalues = joint_law_pvalues(roll.seqs[group == g], table(P_LOGITS, sp))
-        report(f"verify_rows mixed batch, {name} rows, sampler={sampler}", pvalues, record_property)
-        family[name] = pvalues["family"]
-    if sampler == "real":
-        assert min(family.values()) > ALPHA, family
-    else:
-        assert min(family.values()) < ALPHA, f"no power against {sampler}: {family}"
+    assert_groups(roll, group, kinds, "verify_rows mixed batch", sampler, record_property)
 
 
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
@@ -595,15 +601,7 @@ def test_verify_rows_point_mass_drafts(sampler, monkeypatch, record_property):
     roll = run_verify(params, point_mass=True)
     group = torch.arange(len(params)) % len(kinds)  # [n]: index into kinds
     assert_covered(roll.ends, [K])
-    family = {}
-    for g, (name, sp) in enumerate(kinds.items()):
-        pvalues = joint_law_pvalues(roll.seqs[group == g], table(P_LOGITS, sp))
-        report(f"verify_rows point mass, {name} rows, sampler={sampler}", pvalues, record_property)
-        family[name] = pvalues["family"]
-    if sampler == "real":
-        assert min(family.values()) > ALPHA, family
-    else:
-        assert min(family.values()) < ALPHA, f"no power against {sampler}: {family}"
+    assert_groups(roll, group, kinds, "verify_rows point mass", sampler, record_property)
 
 
 def test_seeded_rows_reproducible():
