@@ -703,11 +703,11 @@ class EngineCore:
         """One row's outcome: into the round's stats and the request's counts."""
         drafted = len(row.draft_token_ids)
         # the proposer the row had this round (its lookup may have found nothing)
-        ngram = seq.method_next == "ngram"
+        method = seq.method_next
+        ngram = method == "ngram"
         hit = not ngram and draft is not None and draft.speculative
         asked_planned = bool(stats.planned_k) and k_asked == stats.planned_k
         version = draft.draft_version if draft is not None and not ngram else 0
-        method = "ngram" if ngram else "draft_model"
         stats.rows.append(
             RowOutcome(
                 seq.domain,
