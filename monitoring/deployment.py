@@ -121,6 +121,7 @@ class MonitorDeployment:
                 "k": s.k,
                 "break_even": s.break_even,
                 "warmup_seen": s.warmup_seen,
+                "dispersion": s.dispersion,
                 "drift_since": self.monitor.drift_since(name),
             }
         return {

@@ -17,7 +17,9 @@ from monitoring.drift import (
     DriftMonitor,
     DriftState,
     alternative_alpha,
+    chi2_upper,
     cusum_step,
+    dispersion,
     llr_coefficients,
 )
 
@@ -116,6 +118,96 @@ def test_power_a_flipped_llr_sign_fails_both_figures():
             s[j][fired] = 0.0
     assert alarms[0].sum() == 0 and caught[0].mean() >= 0.9
     assert (alarms[1] >= 5).all() and caught[1].mean() <= 0.05
+
+
+# -- clustered traffic: a request is easy or hard for the draft as a whole -------------
+
+REQUEST_ROUNDS = 15  # rounds per request: ~50 outcomes at k = 4, as the demo's 64 tokens
+CONCENTRATION = 5.0  # per-request alpha ~ Beta(c mean, c (1 - mean)): phi ~ 9 over requests
+
+
+def clustered_simulate(monitors, n: int, means, seed: int):
+    """Like :func:`simulate`, but each stream's acceptance is redrawn per request (every
+    REQUEST_ROUNDS rounds) from a Beta around ``means[t]``: the variance of acceptance
+    over requests is about 9 times the binomial one, as measured on the demo's Python
+    traffic (drift draft, k = 4: 7 to 11 over blocks of 64 to 1024 outcomes)."""
+    rng = np.random.default_rng(seed)
+    names = [f"s{i}" for i in range(n)]
+    out = [[] for _ in monitors]
+    alpha = np.zeros(n)
+    for t, mean in enumerate(means):
+        if t % REQUEST_ROUNDS == 0 or mean != means[t - 1]:
+            alpha = rng.beta(CONCENTRATION * mean, CONCENTRATION * (1 - mean), size=n)
+        alpha = np.clip(alpha, 1e-3, 1 - 1e-3)
+        accepted = np.minimum(rng.geometric(1.0 - alpha) - 1, K)
+        for mon, events in zip(monitors, out, strict=True):
+            events += [(t, int(e.domain[1:]), e) for e in mon.observe(names, [K] * n, accepted)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def clustered():
+    """The default detector and its twin that takes outcomes as independent
+    (dispersion_blocks 0), on the same clustered streams: 250 streams x 4000 monitored
+    rounds at mean acceptance 0.78, then a drop to 0.13 (the drift draft on prose)."""
+    n, monitored, after = 250, 4000, 200
+    means = [0.78] * (WARMUP_ROUNDS + monitored) + [0.13] * after
+    cfgs = [DriftConfig(max_domains=n), DriftConfig(max_domains=n, dispersion_blocks=0)]
+    mons = [DriftMonitor(c) for c in cfgs]
+    events = clustered_simulate(mons, n, means, seed=12)
+    shift = WARMUP_ROUNDS + monitored
+    false = [sum(e.kind == "fire" and t < shift for t, _, e in ev) for ev in events]
+    first = np.full(n, np.inf)  # [stream] rounds from the drop to the alarm
+    for t, i, e in events[0]:
+        if e.kind == "fire" and t >= shift and first[i] == np.inf:
+            first[i] = t - shift + 1
+    return mons, false, first
+
+
+def test_clustered_traffic_learns_its_dispersion(clustered):
+    (mon, twin), _, _ = clustered
+    phis = np.array([mon.status(f"s{i}").dispersion for i in range(250)])
+    assert 5.0 < np.median(phis) < 12.0  # Beta(c=5) over ~50 outcomes: 1 + 49/6 ~ 9
+    assert twin.status("s0").dispersion == 1.0
+
+
+def test_clustered_traffic_keeps_the_false_alarm_figure(clustered):
+    _, false, _ = clustered
+    assert false[0] <= 1  # 10^6 monitored rounds of stationary, clustered traffic
+
+
+def test_power_clustered_traffic_breaks_a_detector_that_takes_tokens_as_independent(clustered):
+    _, false, _ = clustered
+    assert false[1] > 50  # the iid CUSUM reads runs of hard requests as drops
+
+
+def test_clustered_traffic_still_catches_the_drift_drafts_drop(clustered):
+    _, _, first = clustered
+    # 0.78 -> 0.13 within 150 rounds (measured: median 87); a detector that took tokens
+    # as independent would need ~15, and would fire on every run of hard requests.
+    assert np.mean(first <= 150) >= 0.95
+
+
+def test_dispersion_is_one_without_clusters_and_the_variance_ratio_with_them():
+    """Blocks of 250 outcomes: independent ones give 1 (Pearson's test does not reject
+    in 99 % of warm-ups), beta-binomial ones their variance inflation 1 + (n - 1) / (c + 1).
+    The quantile behind the test is checked against known values of χ²."""
+    rng = np.random.default_rng(13)
+    n, blocks, trials = 250, 32, 400
+
+    def sums(acc):  # acc: [trials, blocks] accepted per block of n outcomes
+        return np.stack([np.full(trials, blocks), acc.sum(1), np.full(trials, n * blocks),
+                         (acc**2 / n).sum(1)], -1)  # fmt: skip
+
+    iid = dispersion(sums(rng.binomial(n, 0.78, size=(trials, blocks))))
+    assert np.mean(iid == 1.0) >= 0.97
+    c = 30.0
+    p = rng.beta(c * 0.78, c * 0.22, size=(trials, blocks))
+    phi = dispersion(sums(rng.binomial(n, p)))
+    assert np.median(phi) == pytest.approx(1 + (n - 1) / (c + 1), rel=0.1)
+    assert chi2_upper(31) == pytest.approx(52.19, abs=0.1)  # exact: 52.191
+    assert chi2_upper(10) == pytest.approx(23.21, abs=0.1)  # exact: 23.209
+    assert dispersion([1, 100, 128, 80]) == 1.0  # one block: nothing to compare
 
 
 # -- resolve, hysteresis, re-baselining -----------------------------------------------
