@@ -191,6 +191,8 @@ def test_drift_alert_fires_in_alertmanager_lowers_k_and_resolves(drift_app):
         figures["warmup_s"] = round(time.monotonic() - t0, 1)
         status = monitor.status.remote().result()["domains"][DOMAIN]
         figures["baseline"] = status["baseline"]
+        figures["dispersion"] = status["dispersion"]
+        assert status["dispersion"] >= 1.0, status
         assert not firing(stack), "an alert fired on in-control traffic"
 
         def k_gauge() -> float | None:
@@ -216,7 +218,7 @@ def test_drift_alert_fires_in_alertmanager_lowers_k_and_resolves(drift_app):
         records = wait_for(otlp.drift_records, 30, "the drift log record over OTLP")
         warn = records[0]
         assert warn["severity"] == "WARN" and warn["specserve.domain"] == DOMAIN
-        for key in ("baseline", "current", "rounds", "break_even", "k"):
+        for key in ("baseline", "current", "rounds", "break_even", "k", "dispersion"):
             assert f"specserve.{key}" in warn, warn
         assert warn["specserve.current"] < warn["specserve.baseline"]
 

@@ -149,6 +149,7 @@ def test_drift_fires_and_resolves_with_log_records_and_a_gauge(monitor):
     assert attrs["specserve.baseline"] == pytest.approx(0.75, abs=0.03)
     assert attrs["specserve.current"] < 0.6
     assert {"specserve.rounds", "specserve.break_even"} <= set(attrs)
+    assert attrs["specserve.dispersion"] >= 1.0  # the variance inflation it divided by
     # What replicas learn: each alert change once, in order, with the latest estimate.
     start = AlertCursor(mon.epoch, 0)  # a replica that flushed before the alert
     reply = mon.alerts_since(start)
