@@ -8,7 +8,8 @@
 A fresh application from ``cluster/serve/demo-adaptive.yaml`` (only its ports changed):
 the demo target with the Python-only drift draft, adaptation on. Clients send greedy
 completions in domain ``python`` (``metadata.domain``, as ``demo.yaml`` reads it): Python
-prompts until the domain's drift detector is in control, then prose in the same domain
+prompts until the domain's drift detector has been in control for ``--in-control-probes``
+probes (any alert there is a false alarm: ``false_alarms``), then prose in the same domain
 (the shift; the clock starts at the first prose request), then Python again.
 
 Every ``--probe-every-s`` a probe batch measures the draft's acceptance, accepted /
@@ -190,9 +191,12 @@ class Server:
         health = (await http.get("/health")).json()
         monitor = await self.monitor.status.remote()
         adaptation = await self.adaptation.status.remote()
+        fires = [e for e in monitor["events"] if e["domain"] == DOMAIN and e["kind"] == "fire"]
         return {
             "draft_version": health.get("draft_version"),
             "alert": monitor["domains"].get(DOMAIN, {}).get("state"),
+            "fires": len(fires),  # the domain's drift alerts so far (the monitor's history)
+            "dispersion": monitor["domains"].get(DOMAIN, {}).get("dispersion"),
             "detector_alpha": monitor["domains"].get(DOMAIN, {}).get("current"),
             "running": adaptation["running"],
             "outcomes": adaptation["outcomes"],
@@ -361,7 +365,10 @@ async def cost_window(server, traffic, args, label, over, rep) -> dict:
 
 
 def learnt(rows, args) -> bool:
-    return rows[-1]["alert"] == "in_control"
+    """The detector learnt its baseline and stayed quiet on the same traffic for
+    ``in_control_probes`` probes (a false alarm would show here, before the shift)."""
+    tail = rows[-args.in_control_probes :]
+    return len(tail) == args.in_control_probes and all(r["alert"] == "in_control" for r in tail)
 
 
 def recovered(rows, args) -> bool:
@@ -395,6 +402,9 @@ def summarize(rows: list[dict], args) -> dict:
     out["python_after_alpha"] = later[-1]["probe"]["python"] if later else None
     p, d, n = out["pre_alpha"], out["drifted_alpha"], out["prose_alpha"]
     out["recovery"] = (n - d) / (p - d) if None not in (p, d, n) and p > d else None
+    # alerts on stationary Python traffic, before the shift: each a false alarm
+    out["false_alarms"] = pre[-1]["fires"] if pre else None
+    out["dispersion"] = pre[-1]["dispersion"] if pre else None  # phi the detector learnt
     out.update(serving_during_runs(shifted))
     return out
 
@@ -429,6 +439,12 @@ def main() -> None:
     parser.add_argument("--probe-every-s", type=float, default=20.0)
     parser.add_argument("--pre-max-s", type=float, default=600.0)
     parser.add_argument("--budget-s", type=float, default=900.0, help="after the shift")
+    parser.add_argument(
+        "--in-control-probes",
+        type=int,
+        default=4,
+        help="probes of Python traffic with the detector in control before the shift",
+    )
     parser.add_argument("--after-s", type=float, default=180.0)
     parser.add_argument("--after-probes", type=int, default=3)
     parser.add_argument("--stop-at", type=float, default=0.9, help="recovery that ends it")
@@ -443,6 +459,7 @@ def main() -> None:
         args.probe_every_s, args.budget_s, args.after_probes = 8.0, 150.0, 1
         args.traffic_prompts, args.probe_prompts, args.max_tokens = 16, 2, 32
         args.probe_tokens, args.stop_at, args.hold_probes = 16, 0.6, 1
+        args.in_control_probes = 1
     args.name = args.name or (
         "adaptation"
         + ("_control" if args.control else "")
