@@ -7,6 +7,7 @@ over 10^6 rounds is a few thousand vectorized ``observe`` calls.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -122,22 +123,23 @@ def test_power_a_flipped_llr_sign_fails_both_figures():
 
 # -- clustered traffic: a request is easy or hard for the draft as a whole -------------
 
-REQUEST_ROUNDS = 15  # rounds per request: ~50 outcomes at k = 4, as the demo's 64 tokens
-CONCENTRATION = 5.0  # per-request alpha ~ Beta(c mean, c (1 - mean)): phi ~ 9 over requests
+REQUEST_ROUNDS = 15  # rounds per request: ~40 outcomes at k = 4 and alpha 0.78
+CONCENTRATION = 5.0  # per-request alpha ~ Beta(c mean, c (1 - mean))
 
 
-def clustered_simulate(monitors, n: int, means, seed: int):
+def clustered_simulate(monitors, n: int, means, seed: int, concentration=CONCENTRATION):
     """Like :func:`simulate`, but each stream's acceptance is redrawn per request (every
-    REQUEST_ROUNDS rounds) from a Beta around ``means[t]``: the variance of acceptance
-    over requests is about 9 times the binomial one, as measured on the demo's Python
-    traffic (drift draft, k = 4: 7 to 11 over blocks of 64 to 1024 outcomes)."""
+    REQUEST_ROUNDS rounds) from a Beta around ``means[t]``. At the default concentration
+    the warm-up measures a variance inflation of about 5 to 6 over its blocks, against 7
+    to 11 on the demo's Python traffic (drift draft, k = 4, blocks of 64 to 1024
+    outcomes): a milder case than the real one."""
     rng = np.random.default_rng(seed)
     names = [f"s{i}" for i in range(n)]
     out = [[] for _ in monitors]
     alpha = np.zeros(n)
     for t, mean in enumerate(means):
         if t % REQUEST_ROUNDS == 0 or mean != means[t - 1]:
-            alpha = rng.beta(CONCENTRATION * mean, CONCENTRATION * (1 - mean), size=n)
+            alpha = rng.beta(concentration * mean, concentration * (1 - mean), size=n)
         alpha = np.clip(alpha, 1e-3, 1 - 1e-3)
         accepted = np.minimum(rng.geometric(1.0 - alpha) - 1, K)
         for mon, events in zip(monitors, out, strict=True):
@@ -145,68 +147,159 @@ def clustered_simulate(monitors, n: int, means, seed: int):
     return out
 
 
+CLUSTERED_SHIFT = WARMUP_ROUNDS + 4000  # 10^6 monitored rounds over 250 streams
+CLUSTERED_BACK = CLUSTERED_SHIFT + 200  # acceptance returns to 0.78 here
+
+
 @pytest.fixture(scope="module")
 def clustered():
     """The default detector and its twin that takes outcomes as independent
     (dispersion_blocks 0), on the same clustered streams: 250 streams x 4000 monitored
-    rounds at mean acceptance 0.78, then a drop to 0.13 (the drift draft on prose)."""
-    n, monitored, after = 250, 4000, 200
-    means = [0.78] * (WARMUP_ROUNDS + monitored) + [0.13] * after
+    rounds at mean acceptance 0.78, a drop to 0.13 (the drift draft on prose) for 200
+    rounds, then 0.78 again for 1500. Returns the monitors and, per monitor, the
+    events as (round, stream, event)."""
+    n = 250
+    means = [0.78] * CLUSTERED_SHIFT + [0.13] * 200 + [0.78] * 1500
     cfgs = [DriftConfig(max_domains=n), DriftConfig(max_domains=n, dispersion_blocks=0)]
     mons = [DriftMonitor(c) for c in cfgs]
-    events = clustered_simulate(mons, n, means, seed=12)
-    shift = WARMUP_ROUNDS + monitored
-    false = [sum(e.kind == "fire" and t < shift for t, _, e in ev) for ev in events]
-    first = np.full(n, np.inf)  # [stream] rounds from the drop to the alarm
-    for t, i, e in events[0]:
-        if e.kind == "fire" and t >= shift and first[i] == np.inf:
-            first[i] = t - shift + 1
-    return mons, false, first
+    return mons, clustered_simulate(mons, n, means, seed=12)
 
 
 def test_clustered_traffic_learns_its_dispersion(clustered):
-    (mon, twin), _, _ = clustered
+    (mon, twin), _ = clustered
     phis = np.array([mon.status(f"s{i}").dispersion for i in range(250)])
-    assert 5.0 < np.median(phis) < 12.0  # Beta(c=5) over ~50 outcomes: 1 + 49/6 ~ 9
+    assert 4.0 < np.median(phis) < 7.5  # measured: 5.4
+    assert (phis > 2.0).all()  # the gate let every stream's clusters through
     assert twin.status("s0").dispersion == 1.0
 
 
+def fires_before(events, t_end: int) -> int:
+    return sum(e.kind == "fire" and t < t_end for t, _, e in events)
+
+
 def test_clustered_traffic_keeps_the_false_alarm_figure(clustered):
-    _, false, _ = clustered
-    assert false[0] <= 1  # 10^6 monitored rounds of stationary, clustered traffic
+    _, (events, _) = clustered
+    # Over 10^6 stationary rounds: the bound e^h = 2·10^5 rounds allows 5 (measured 0 to
+    # 4 across seeds and concentrations; the iid figure above is 1, the bound being loose
+    # there, where the diffusion approximation behind phi is close to tight).
+    assert fires_before(events, CLUSTERED_SHIFT) <= 5
 
 
 def test_power_clustered_traffic_breaks_a_detector_that_takes_tokens_as_independent(clustered):
-    _, false, _ = clustered
-    assert false[1] > 50  # the iid CUSUM reads runs of hard requests as drops
+    _, (_, twin) = clustered
+    assert fires_before(twin, CLUSTERED_SHIFT) > 50  # it reads runs of hard requests as drops
 
 
 def test_clustered_traffic_still_catches_the_drift_drafts_drop(clustered):
-    _, _, first = clustered
-    # 0.78 -> 0.13 within 150 rounds (measured: median 87); a detector that took tokens
+    _, (events, _) = clustered
+    first = np.full(250, np.inf)  # [stream] rounds from the drop to the alarm
+    for t, i, e in events:
+        if e.kind == "fire" and t >= CLUSTERED_SHIFT and first[i] == np.inf:
+            first[i] = t - CLUSTERED_SHIFT + 1
+    # 0.78 -> 0.13 within 150 rounds (measured: median 80); a detector that took tokens
     # as independent would need ~15, and would fire on every run of hard requests.
     assert np.mean(first <= 150) >= 0.95
 
 
+def test_clustered_traffic_resolves_once_and_stays_quiet(clustered):
+    """The reverse test is divided by the dispersion too: after acceptance returns, each
+    alert resolves once and no stream fires again in 1500 rounds; its twin, after its
+    own resolves, keeps firing on runs of hard requests."""
+    _, (events, twin) = clustered
+    resolves = np.bincount([i for t, i, e in events if e.kind == "resolve"], minlength=250)
+    assert np.mean(resolves == 1) >= 0.95
+    assert sum(e.kind == "fire" and t >= CLUSTERED_BACK + 200 for t, _, e in events) == 0
+    assert sum(e.kind == "fire" and t >= CLUSTERED_BACK + 200 for t, _, e in twin) > 20
+
+
+def test_dispersion_is_capped_and_relearnt_after_acknowledge():
+    """``max_dispersion`` bounds the measured value; an acknowledged domain measures it
+    again from scratch (its old blocks do not count): clustered traffic, then independent
+    outcomes after the acknowledge, gives 1."""
+    n, warm = 20, WARMUP_ROUNDS
+    capped = DriftMonitor(DriftConfig(max_domains=n, max_dispersion=2.0))
+    mon = DriftMonitor(DriftConfig(max_domains=n))
+    clustered_simulate([capped, mon], n, [0.78] * warm, seed=14)
+    assert {capped.status(f"s{i}").dispersion for i in range(n)} == {2.0}
+    assert min(mon.status(f"s{i}").dispersion for i in range(n)) > 2.0
+    for i in range(n):
+        mon.acknowledge(f"s{i}")
+    simulate([mon], n, [0.78] * warm, seed=15)  # independent outcomes
+    phis = [mon.status(f"s{i}").dispersion for i in range(n)]
+    assert np.mean(np.array(phis) == 1.0) >= 0.8 and max(phis) < 1.5
+
+
+def reference_blocks(drafted, accepted, size: float) -> np.ndarray:
+    """Closed blocks of one domain's rounds, computed at once: (blocks, ΣA, Σn, ΣA²/n)
+    over the rounds grouped by ``floor(outcomes before the round / size)``, the last
+    group (still open) left out."""
+    accepted = np.asarray(accepted, float)
+    n = accepted + (accepted < drafted)
+    blk = (np.cumsum(n) - n) // size
+    sums = np.zeros(4)
+    for j in np.unique(blk)[:-1]:
+        acc, tot = accepted[blk == j].sum(), n[blk == j].sum()
+        sums += [1, acc, tot, acc * acc / tot]
+    return sums
+
+
+@pytest.mark.parametrize("calls", [1, 7, 400, "rounds"])
+def test_blocks_do_not_depend_on_how_rounds_are_split_into_calls(calls):
+    """A busy replica flushes many blocks' worth of rounds at once: the warm-up's blocks,
+    hence the dispersion, are the same for one call, a few, or one per round, and equal a
+    round-at-a-time reference. Its twin: the blocks of whole calls (what a flush-sized
+    block would give) differ."""
+    cfg = DriftConfig(warmup_tokens=2000, dispersion_blocks=40)  # blocks of 50 outcomes
+    rng = np.random.default_rng(16)
+    alpha = np.repeat(rng.beta(3.9, 1.1, size=150), REQUEST_ROUNDS)  # [rounds], clustered
+    accepted = np.minimum(rng.geometric(1.0 - alpha) - 1, K)
+    drafted = np.full_like(accepted, K)
+    names = rng.choice(["a", "b"], size=len(accepted))  # two domains, interleaved
+    a_only = names == "a"
+    ends = np.cumsum((accepted + (accepted < drafted))[a_only])
+    last = np.flatnonzero(a_only)[np.searchsorted(ends, cfg.warmup_tokens)]
+    names, drafted, accepted = names[: last + 1], drafted[: last + 1], accepted[: last + 1]
+    mon = DriftMonitor(cfg)
+    n_rounds = len(names)
+    cuts = np.linspace(0, n_rounds, (n_rounds if calls == "rounds" else calls) + 1).astype(int)
+    old_style = np.zeros(2)  # the twin's open block: blocks closed only at call ends
+    old_blocks = 0
+    for lo, hi in itertools.pairwise(cuts):
+        mon.observe(list(names[lo:hi]), drafted[lo:hi], accepted[lo:hi])
+        mine = names[lo:hi] == "a"
+        a = accepted[lo:hi][mine]
+        old_style += [a.sum(), (a + (a < K)).sum()]
+        if old_style[1] >= 50:
+            old_blocks, old_style = old_blocks + 1, np.zeros(2)
+    assert mon.status("a").state is DriftState.IN_CONTROL
+    want = reference_blocks(drafted[names == "a"], accepted[names == "a"], 50.0)
+    np.testing.assert_allclose(mon._blocks[mon._slot_of["a"]], want)
+    assert mon.status("a").dispersion == pytest.approx(float(dispersion(want)))
+    if calls in (1, 7):  # the twin: blocks of whole calls are far fewer
+        assert old_blocks <= calls < want[0]
+
+
 def test_dispersion_is_one_without_clusters_and_the_variance_ratio_with_them():
-    """Blocks of 250 outcomes: independent ones give 1 (Pearson's test does not reject
-    in 99 % of warm-ups), beta-binomial ones their variance inflation 1 + (n - 1) / (c + 1).
+    """Blocks of 83 outcomes: independent ones give 1 (Pearson's test does not reject in
+    90 % of warm-ups), beta-binomial ones their variance inflation 1 + (n - 1) / (c + 1).
     The quantile behind the test is checked against known values of χ²."""
     rng = np.random.default_rng(13)
-    n, blocks, trials = 250, 32, 400
+    n, blocks, trials = 83, 96, 400
 
     def sums(acc):  # acc: [trials, blocks] accepted per block of n outcomes
         return np.stack([np.full(trials, blocks), acc.sum(1), np.full(trials, n * blocks),
                          (acc**2 / n).sum(1)], -1)  # fmt: skip
 
     iid = dispersion(sums(rng.binomial(n, 0.78, size=(trials, blocks))))
-    assert np.mean(iid == 1.0) >= 0.97
-    c = 30.0
+    assert np.mean(iid == 1.0) == pytest.approx(0.9, abs=0.04)
+    assert np.percentile(iid, 99) < 1.5
+    c = 10.0
     p = rng.beta(c * 0.78, c * 0.22, size=(trials, blocks))
     phi = dispersion(sums(rng.binomial(n, p)))
     assert np.median(phi) == pytest.approx(1 + (n - 1) / (c + 1), rel=0.1)
-    assert chi2_upper(31) == pytest.approx(52.19, abs=0.1)  # exact: 52.191
-    assert chi2_upper(10) == pytest.approx(23.21, abs=0.1)  # exact: 23.209
+    assert chi2_upper(95) == pytest.approx(113.04, abs=0.1)  # exact: 113.038
+    assert chi2_upper(31, 2.326) == pytest.approx(52.19, abs=0.1)  # exact: 52.191
+    assert chi2_upper(10, 2.326) == pytest.approx(23.21, abs=0.1)  # exact: 23.209
     assert dispersion([1, 100, 128, 80]) == 1.0  # one block: nothing to compare
 
 
