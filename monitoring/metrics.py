@@ -28,7 +28,17 @@ class SpecServeMetrics:
     """The instruments, created on one meter; ``record_*`` turn records into data points."""
 
     def __init__(self, meter: Meter):
-        c, g, h = meter.create_counter, meter.create_gauge, meter.create_histogram
+        self._spec_decode_instruments(meter)
+        self._speculation_instruments(meter)
+        self._engine_instruments(meter)
+        self._request_instruments(meter)
+        self._adaptation_instruments(meter)
+
+    def _spec_decode_instruments(self, meter: Meter) -> None:
+        """Counters of verification rounds, per domain and proposer: the acceptance
+        figures (alpha_hat = A / (A + R), acceptance by position) and what the telemetry
+        buffer dropped."""
+        c = meter.create_counter
         self.num_drafts = c("specserve.spec_decode.num_drafts", description="Rounds with drafts.")
         self.num_draft_tokens = c(
             "specserve.spec_decode.num_draft_tokens", description="Draft tokens verified."
@@ -54,14 +64,16 @@ class SpecServeMetrics:
             description="Sequence-rounds a replica dropped from its telemetry buffer "
             "because the monitor fell behind (the metrics above undercount by this much).",
         )
+
+    def _speculation_instruments(self, meter: Meter) -> None:
+        """What the replicas' policies chose, how the speculation cache did, and the
+        drift detector's state per domain."""
+        c, g = meter.create_counter, meter.create_gauge
         self.cache_hits = c(
             "specserve.speculation.cache_hits", description="Rounds whose drafts were ready."
         )
         self.cache_misses = c(
             "specserve.speculation.cache_misses", description="Rounds that waited for drafts."
-        )
-        self.generation_tokens = c(
-            "specserve.generation.tokens", description="Tokens committed to requests."
         )
         self.k = g("specserve.speculation.k", description="Draft length chosen per domain.")
         self.enabled = g(
@@ -86,6 +98,14 @@ class SpecServeMetrics:
         self.baseline = g(
             "specserve.acceptance_alpha_baseline",
             description="The drift detector's learned baseline acceptance per domain.",
+        )
+
+    def _engine_instruments(self, meter: Meter) -> None:
+        """The replicas' batch, KV cache, committed tokens, and the parts of a round's
+        critical path."""
+        c, g, h = meter.create_counter, meter.create_gauge, meter.create_histogram
+        self.generation_tokens = c(
+            "specserve.generation.tokens", description="Tokens committed to requests."
         )
         self.running = g("specserve.scheduler.running", description="Sequences in the batch.")
         self.waiting = g("specserve.scheduler.waiting", description="Sequences waiting.")
@@ -116,6 +136,10 @@ class SpecServeMetrics:
             description="Critical-path time that is neither verification nor draft wait.",
             explicit_bucket_boundaries_advisory=ROUND_BUCKETS,
         )
+
+    def _request_instruments(self, meter: Meter) -> None:
+        """Per-request latency, named by the OpenTelemetry GenAI semantic conventions."""
+        h = meter.create_histogram
         self.ttft = h(
             "gen_ai.server.time_to_first_token",
             unit="s",
@@ -128,6 +152,16 @@ class SpecServeMetrics:
             description="Time per output token after the first.",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
         )
+        self.duration = h(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Generative AI server request duration.",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
+        )
+
+    def _adaptation_instruments(self, meter: Meter) -> None:
+        """The draft version served and the adaptation loop's outcomes and costs."""
+        c, g = meter.create_counter, meter.create_gauge
         self.draft_version = g(
             "specserve.draft_version",
             description="The adapted draft version a replica serves (0: as deployed).",
@@ -149,12 +183,6 @@ class SpecServeMetrics:
             "specserve.adaptation.training_time",
             unit="s",
             description="Wall seconds adaptation runs took (training and validation).",
-        )
-        self.duration = h(
-            "gen_ai.server.request.duration",
-            unit="s",
-            description="Generative AI server request duration.",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
         )
 
     def record_rounds(self, batch: RoundBatch) -> None:
