@@ -609,38 +609,13 @@ class EngineClient:
             if failures:
                 await asyncio.sleep(self._backoff(failures))
             self._target_restarts += 1
-            ray.kill(self.target, no_restart=True)
-            self._replacing_target = True
-            self.target = self._spawn_target()
-            if self.telemetry is not None:  # a new core's policy: only the alerts firing now
-                self.telemetry.reset()
             try:
-                self.target_info = await self._await_ready(self.target)
-                if self.colocated:
-                    self.draft_info = self.target_info.pop("draft")
-                    async with self._weights_lock:  # the version served before
-                        if self._draft_weights is not None:
-                            # (its loop takes them after compiling its graphs)
-                            wait_s = self.config.faults.startup_timeout_s
-                            load = self._load_weights(self.target, *self._draft_weights, wait_s)
-                            await self._call(load, extra_s=wait_s)
-                await self._refresh_health()  # the new core's (warming while it compiles)
+                await self._start_new_core()
             except Exception as exc:  # any failure of the new core: try another one
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)
                 continue
-            # The draft first, so that resumed requests draft from their first round (a
-            # seeded request then draws exactly what it would have without the failure).
-            if self.draft is not None:
-                if self.config.transport == "compiled_graph":
-                    # The dead core drove the draft's graph loop, which may never end:
-                    # a fresh draft is safer than compiling a second graph onto it.
-                    self._start_draft_replacement("its target was replaced")
-                else:
-                    try:
-                        await self._connect(self.target, self.draft, self.draft_info)
-                    except Exception as exc:  # the draft's problem, not the new target's
-                        self._start_draft_replacement(f"it could not reconnect: {exc!r}")
+            await self._reattach_draft()
             live = [r.core_request() for r in self._requests.values() if not r.finished]
             self._replacing_target = False
             try:
@@ -652,6 +627,41 @@ class EngineClient:
                 continue
             logger.info("target worker replaced (%d restarts)", self._target_restarts)
             return True
+
+    async def _start_new_core(self) -> None:
+        """Kill the core, spawn a new one and wait until it is ready (raises if it is not):
+        with the colocated draft, load the draft version served before."""
+        ray.kill(self.target, no_restart=True)
+        self._replacing_target = True
+        self.target = self._spawn_target()
+        if self.telemetry is not None:  # a new core's policy: only the alerts firing now
+            self.telemetry.reset()
+        self.target_info = await self._await_ready(self.target)
+        if self.colocated:
+            self.draft_info = self.target_info.pop("draft")
+            async with self._weights_lock:  # the version served before
+                if self._draft_weights is not None:
+                    # (its loop takes them after compiling its graphs)
+                    wait_s = self.config.faults.startup_timeout_s
+                    load = self._load_weights(self.target, *self._draft_weights, wait_s)
+                    await self._call(load, extra_s=wait_s)
+        await self._refresh_health()  # the new core's (warming while it compiles)
+
+    async def _reattach_draft(self) -> None:
+        """The draft actor to the new core, before any request is resumed (so that they
+        draft from their first round: a seeded request then draws exactly what it would
+        have without the failure); a draft that cannot follow is replaced."""
+        if self.draft is None:
+            return
+        if self.config.transport == "compiled_graph":
+            # The dead core drove the draft's graph loop, which may never end: a fresh
+            # draft is safer than compiling a second graph onto it.
+            self._start_draft_replacement("its target was replaced")
+            return
+        try:
+            await self._connect(self.target, self.draft, self.draft_info)
+        except Exception as exc:  # the draft's problem, not the new target's
+            self._start_draft_replacement(f"it could not reconnect: {exc!r}")
 
     def _start_draft_replacement(self, reason: str) -> None:
         self._tasks = [t for t in self._tasks if not t.done()]
