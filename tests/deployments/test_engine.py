@@ -1079,8 +1079,9 @@ def test_draft_weights_swapped_mid_generation_keep_every_request_exact(
     equals target-only, the swap takes effect (the target's own weights as the draft:
     afterwards every greedy draft is accepted), weights that do not fit and versions not
     newer are refused with the old ones kept, and a replacement draft loads the version
-    served. (That no stale draft cache survives a swap is tests/specdec/test_proposers.py's
-    check: here later requests start with fresh caches.)"""
+    served, as does a replacement core's colocated draft. (That no stale draft cache
+    survives a swap is tests/specdec/test_proposers.py's check: here later requests
+    start with fresh caches.)"""
     spec = {"num_speculative_tokens": 3, "adaptive_overlap": False}
     if shape == "actor":
         spec["mode"] = "overlap"
@@ -1106,6 +1107,15 @@ def test_draft_weights_swapped_mid_generation_keep_every_request_exact(
             await engine._replace_draft("test")
             stats = await engine._call(engine.draft.stats.remote())
             replaced = (stats["weights_version"], await collect(engine, PROMPTS[1], GREEDY))
+        else:  # a replacement core loads the version served into its colocated draft
+            old = engine.target
+            ray.kill(old, no_restart=True)
+            deadline = time.monotonic() + 120
+            while engine.target is old:
+                assert time.monotonic() < deadline, "the core was not replaced"
+                await asyncio.sleep(0.05)
+            replaced = (1, await collect(engine, PROMPTS[1], GREEDY))
+            assert engine.health()["target_restarts"] == 1
         return during, after, again, replaced
 
     during, after, again, replaced = asyncio.run(with_engine(cfg, body))
