@@ -138,7 +138,8 @@ class DriftConfig(BaseModel):
         ge=0,
         description="Blocks of consecutive outcomes the warm-up is cut into to measure the "
         "variance inflation phi of acceptance (requests are easy or hard as a whole); "
-        "every CUSUM increment is divided by phi (floored at 1). Blocks should span several "
+        "every CUSUM increment is divided by phi (1 unless Pearson's test shows it at 10 "
+        "%). Blocks should span several "
         "requests: warmup_tokens / dispersion_blocks outcomes each. 0: phi = 1 (outcomes "
         "taken as independent, which false-alarms on real traffic).",
     )
@@ -378,7 +379,8 @@ class DriftMonitor:
         stats = np.empty((n, 3))  # [slot, (rounds, accepted tokens, rejections)]
         stats[:, 0] = np.bincount(slots, minlength=n)
         stats[:, 1] = np.bincount(slots, accepted, minlength=n)
-        stats[:, 2] = np.bincount(slots, (accepted < drafted).astype(float), minlength=n)
+        rejected = accepted < drafted  # [rounds] the round ended in a rejection
+        stats[:, 2] = np.bincount(slots, rejected.astype(float), minlength=n)
         touched = stats[:, 0] > 0
         k = np.zeros(n, np.int64)  # [slot] drafts per round, this call
         np.maximum.at(k, slots, drafted)
@@ -390,7 +392,7 @@ class DriftMonitor:
 
         warming = touched & (state == _WARMING)
         if warming.any():
-            outcomes = accepted + (accepted < drafted)  # [rounds] per-token outcomes
+            outcomes = accepted + rejected  # [rounds] per-token outcomes
             self._learn(warming, stats, slots, accepted, outcomes)
 
         events: list[DriftEvent] = []
