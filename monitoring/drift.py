@@ -395,29 +395,39 @@ class DriftMonitor:
             outcomes = accepted + rejected  # [rounds] per-token outcomes
             self._learn(warming, stats, slots, accepted, outcomes)
 
-        events: list[DriftEvent] = []
         fwd = touched & ((state == _IN_CONTROL) | (state == _RESOLVED))
-        if fwd.any():
-            self._s, self._run = self._advance(
-                fwd, stats, self._s, self._run, self._l_acc, self._l_rej
-            )
-            for slot in np.flatnonzero(fwd & (self._s >= self._h)):
-                events.append(self._event("fire", slot, self._run[slot]))
-                self._state[slot] = _FIRING
-                self._s[slot], self._run[slot] = 0.0, 0.0
-                self._s_rev[slot], self._rev_run[slot] = 0.0, 0.0
-
         rev = touched & (state == _FIRING)
-        if rev.any():
-            self._s_rev, self._rev_run = self._advance(
-                rev, stats, self._s_rev, self._rev_run, self._r_acc, self._r_rej
-            )
-            for slot in np.flatnonzero(rev & (self._s_rev >= self._h_rev)):
-                events.append(self._event("resolve", slot, self._rev_run[slot]))
-                self._state[slot] = _RESOLVED
-                self._s[slot], self._run[slot] = 0.0, 0.0
-                if self._relearn[slot]:  # back, on a draft the baseline was not learnt on
-                    self._reset([slot])
+        return self._test_fire(fwd, stats) + self._test_resolve(rev, stats)
+
+    def _test_fire(self, fwd: np.ndarray, stats: np.ndarray) -> list[DriftEvent]:
+        """The forward CUSUM of the monitored slots in ``fwd`` ([slots] bool): alerts
+        that fire; a firing slot's reverse test starts from 0."""
+        events: list[DriftEvent] = []
+        if not fwd.any():
+            return events
+        self._s, self._run = self._advance(fwd, stats, self._s, self._run, self._l_acc, self._l_rej)
+        for slot in np.flatnonzero(fwd & (self._s >= self._h)):
+            events.append(self._event("fire", slot, self._run[slot]))
+            self._state[slot] = _FIRING
+            self._s[slot], self._run[slot] = 0.0, 0.0
+            self._s_rev[slot], self._rev_run[slot] = 0.0, 0.0
+        return events
+
+    def _test_resolve(self, rev: np.ndarray, stats: np.ndarray) -> list[DriftEvent]:
+        """The reverse CUSUM of the firing slots in ``rev`` ([slots] bool): alerts that
+        resolve; one firing since a draft swap then learns its baseline again."""
+        events: list[DriftEvent] = []
+        if not rev.any():
+            return events
+        self._s_rev, self._rev_run = self._advance(
+            rev, stats, self._s_rev, self._rev_run, self._r_acc, self._r_rej
+        )
+        for slot in np.flatnonzero(rev & (self._s_rev >= self._h_rev)):
+            events.append(self._event("resolve", slot, self._rev_run[slot]))
+            self._state[slot] = _RESOLVED
+            self._s[slot], self._run[slot] = 0.0, 0.0
+            if self._relearn[slot]:  # back, on a draft the baseline was not learnt on
+                self._reset([slot])
         return events
 
     def _learn(self, warming: np.ndarray, stats: np.ndarray, slots, accepted, outcomes) -> None:
