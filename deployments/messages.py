@@ -47,6 +47,7 @@ from specdec.qcodec import CompactQ
 from specdec.stats import RowOutcome, SpecCounts
 
 __all__ = [
+    "ChannelAddress",
     "ColocatedDraftConfig",
     "DraftItem",
     "DraftPush",
@@ -231,6 +232,7 @@ class EngineCoreConfig(msgspec.Struct, frozen=True):
     draft_timeout_s: float  # longest wait for a round's drafts [s]
     draft_max_model_len: int | None = None  # the draft's context (None: the target's)
     transport: str = "actor"  # "actor" or "compiled_graph" messages to a draft actor
+    direct_channel: bool = True  # transport "actor": round messages over a direct connection
     length_policy: LengthPolicyConfig | None = None  # None: every request at its fixed k
     telemetry: bool = False  # keep round records for drain_telemetry (a monitor runs)
     colocated_draft: ColocatedDraftConfig | None = None  # None: a draft actor connects
@@ -239,6 +241,18 @@ class EngineCoreConfig(msgspec.Struct, frozen=True):
     proposer_choice: ProposerChoiceConfig | None = None
     ngram_max: int = 4  # n-gram lookup: the longest suffix matched [tokens]
     ngram_min: int = 1  # ... the shortest [tokens]
+
+
+class ChannelAddress(msgspec.Struct, frozen=True):
+    """Where a draft actor's direct channel listens (:mod:`deployments.workers.channel`),
+    given to its core over Ray; ``token`` is the secret a connection must show first."""
+
+    host: str  # the draft's node address
+    port: int  # TCP port
+    token: bytes  # 32 random bytes, compared in constant time
+
+    def __repr__(self) -> str:  # the token stays out of logs
+        return f"ChannelAddress({self.host!r}, {self.port})"
 
 
 class DraftWorkerConfig(msgspec.Struct, frozen=True):

@@ -132,7 +132,7 @@ class EngineCore:
         self.draft_weights = WeightsHandoff(self._cv, "colocated")
         self._draft_version = 0  # the newest draft weights' version the core was told of
         self.link: DraftLink = (
-            ActorDraftLink(config.transport, is_live=self._seq_ids.__contains__)
+            ActorDraftLink(config.transport, self._seq_ids.__contains__, config.direct_channel)
             if config.colocated_draft is None
             else self._colocated_link(config.colocated_draft)
         )
@@ -298,6 +298,12 @@ class EngineCore:
             "error": self.error,
             "failed_requests": self.failed_requests,
             "loop_alive": self._thread.is_alive(),
+            # the actor transport's route to the draft: channel connected, messages by route
+            "draft_channel": (
+                {"connected": self.link.channel_connected, "sent": dict(self.link.sent)}
+                if isinstance(self.link, ActorDraftLink)
+                else None
+            ),
             "kv_cache": self.runner.kv_usage(),
             "draft_kv_cache": None if self.draft_runner is None else self.draft_runner.kv_usage(),
             "draft_failed_sequences": (

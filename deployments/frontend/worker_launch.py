@@ -78,6 +78,7 @@ class WorkerLauncher:
                     draft_timeout_s=cfg.faults.draft_timeout_s,
                     draft_max_model_len=draft_max_model_len,
                     transport=cfg.transport,
+                    direct_channel=cfg.direct_channel,
                     length_policy=self._length_policy(),
                     telemetry=telemetry,
                     colocated_draft=self._colocated_draft(),

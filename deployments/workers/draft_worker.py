@@ -17,6 +17,7 @@ import ray
 
 from deployments.config import ModelSpec
 from deployments.messages import (
+    ChannelAddress,
     DraftPush,
     DraftRoundMessage,
     DraftWorkerConfig,
@@ -25,6 +26,7 @@ from deployments.messages import (
     decode,
     encode,
 )
+from deployments.workers.channel import ChannelServer, FrameSocket, pack, unpack
 from deployments.workers.drafting import DraftRounds, WeightsHandoff, pushed_drafts
 from deployments.workers.model_loader import (
     configure_thread,
@@ -72,7 +74,12 @@ class DraftWorker:
             WidthPolicyConfig(max_width=width, adaptive=config.adaptive_overlap)
         )
         self._cv = threading.Condition()
-        self._inbox: dict[int, DraftRoundMessage] = {}
+        # msg_no -> (message, the connection it came by; None: a Ray call): drafts go
+        # back the way their message came.
+        self._inbox: dict[int, tuple[DraftRoundMessage, FrameSocket | None]] = {}
+        self._channel: ChannelServer | None = None  # opened when a core asks for it
+        self.messages = {"channel": 0, "ray": 0}  # round messages received, by route
+        self.pushes = {"channel": 0, "ray": 0}  # pushes sent, by route
         self._next_no: int | None = None
         self._core = None
         # compiled_graph transport: drafts go back as the reply to the core's message,
@@ -111,11 +118,29 @@ class DraftWorker:
                     )
 
     @ray.method(concurrency_group="io")
+    def channel_address(self) -> ChannelAddress:
+        """Where the core connects for round messages without Ray calls
+        (:mod:`deployments.workers.channel`; opened on the first ask)."""
+        with self._cv:
+            if self._channel is None:
+                host = ray.util.get_node_ip_address()
+                self._channel = ChannelServer(host, self._on_frame)
+            return self._channel.address
+
+    def _on_frame(self, payload: bytes, conn: FrameSocket) -> None:
+        """A round message over the channel (a connection's reader thread)."""
+        msg = decode(DraftRoundMessage, unpack(payload))
+        with self._cv:
+            self.messages["channel"] += 1
+            self._enqueue(msg, conn)
+
+    @ray.method(concurrency_group="io")
     def on_round(self, msg: bytes) -> None:
-        """A round's outcomes from the core (the actor transport): an encoded
-        :class:`DraftRoundMessage`."""
+        """A round's outcomes from the core (the actor transport, when the channel is
+        not connected): an encoded :class:`DraftRoundMessage`."""
         msg = decode(DraftRoundMessage, msg)
         with self._cv:
+            self.messages["ray"] += 1
             self._enqueue(msg)
 
     def step(self, msg: bytes) -> Wire:
@@ -128,8 +153,9 @@ class DraftWorker:
                     self._cv.wait()
             return encode(self._replies.pop(msg.msg_no, DraftPush(msg.round_for, [])))
 
-    def _enqueue(self, msg: DraftRoundMessage) -> bool:
-        """Queue a message for the loop (caller holds ``_cv``); False if it is stale."""
+    def _enqueue(self, msg: DraftRoundMessage, route: FrameSocket | None = None) -> bool:
+        """Queue a message for the loop (caller holds ``_cv``); False if it is stale.
+        ``route``: the connection it came by (None: a Ray call or graph step)."""
         if msg.first:  # a new core (or this draft is new to it): start from this message
             self._inbox = {no: m for no, m in self._inbox.items() if no > msg.msg_no}
             self._next_no = msg.msg_no
@@ -137,7 +163,7 @@ class DraftWorker:
             return False  # from a core that has been replaced
         if not self._inbox:
             self._waiting_since = time.monotonic()
-        self._inbox[msg.msg_no] = msg
+        self._inbox[msg.msg_no] = (msg, route)
         self._cv.notify_all()
         return True
 
@@ -165,6 +191,11 @@ class DraftWorker:
             "kv_cache": self.runner.kv_usage(),
             "cores": self.cores,
             "weights_version": self.weights.version,
+            "messages": dict(self.messages),
+            "pushes": dict(self.pushes),
+            "channel": None
+            if self._channel is None
+            else {"connections": self._channel.connections, "refused": self._channel.refused},
         }
 
     @ray.method(concurrency_group="io")
@@ -215,12 +246,12 @@ class DraftWorker:
                         self._cv.wait()
                     if self.weights.waiting:
                         self.weights.take(self.rounds.load_weights)
-                    msg = self._inbox.pop(self._next_no)
+                    msg, route = self._inbox.pop(self._next_no)
                     self._next_no += 1
                     core = self._core
                     self._busy_since = time.monotonic()
                 try:
-                    self._handle(core, msg)
+                    self._handle(core, msg, route)
                 finally:
                     self._busy_since = None
                     self._waiting_since = time.monotonic()
@@ -231,29 +262,44 @@ class DraftWorker:
                 self._cv.notify_all()
             self._stop_event.set()
 
-    def _send(self, core, msg_no: int, push: DraftPush) -> None:
+    def _send(self, core, route: FrameSocket | None, msg_no: int, push: DraftPush) -> None:
         """Drafts to the core: the reply of a compiled-graph step, or a push."""
         if self._reply_in_step:
             with self._cv:
                 self._replies[msg_no] = push
                 self._cv.notify_all()
-        elif push.drafts and core is not None:
-            core.push_drafts.remote(encode(push))
+        elif push.drafts:
+            self._push(core, route, push)
 
-    def _handle(self, core, msg: DraftRoundMessage) -> None:
+    def _push(self, core, route: FrameSocket | None, push: DraftPush) -> None:
+        """A push the way its message came: over the channel, except a push with arrays
+        (sampled rows' q: Ray moves them without a copy), or by a Ray call."""
+        wire = encode(push)
+        if route is not None and isinstance(wire, bytes) and not route.closed:
+            try:
+                route.send(pack(wire))
+                self.pushes["channel"] += 1
+                return
+            except OSError as exc:  # the core went, or its connection did: try Ray
+                logger.warning("draft channel: push failed (%r); pushing by Ray", exc)
+        if core is not None:
+            core.push_drafts.remote(wire)
+            self.pushes["ray"] += 1
+
+    def _handle(self, core, msg: DraftRoundMessage, route: FrameSocket | None) -> None:
         """Draft what the core waits for now, then (overlap) prepare the next round's."""
         feedback = msg.feedback
         if feedback.round_s is not None:
             self.width.observe_round(feedback.committed_tokens, feedback.round_s)
-        ids = self._draft_now(core, msg)
+        ids = self._draft_now(core, msg, route)
         if not self.overlap or not ids or (core is None and not self._reply_in_step):
             return
         # Goodput is per round: an admission's message (no round time) does not start one.
         budget = self.width.budget(len(ids), new_round=feedback.round_s is not None)
         if budget:
-            self._speculate(core, ids, budget, msg.round_for + 1, feedback.verify_s)
+            self._speculate(core, route, ids, budget, msg.round_for + 1, feedback.verify_s)
 
-    def _draft_now(self, core, msg: DraftRoundMessage) -> list:
+    def _draft_now(self, core, msg: DraftRoundMessage, route: FrameSocket | None) -> list:
         """Apply the message, draft its rows and send what the core does not hold yet;
         returns the rows drafted (whose next outcomes may be prepared)."""
         ids, ks, guesses, lost = self.rounds.apply(msg.first, msg.items, msg.freed)
@@ -271,10 +317,12 @@ class DraftWorker:
             hits = sum(d.speculative for _, d in proposed)
             self.width.observe_hits(hits, len(proposed))
         self._speculated = False
-        self._send(core, msg.msg_no, DraftPush(msg.round_for, pushes + lost))
+        self._send(core, route, msg.msg_no, DraftPush(msg.round_for, pushes + lost))
         return [sid for sid, _ in proposed]
 
-    def _speculate(self, core, ids: list, budget: int, round_for: int, verify_s) -> None:
+    def _speculate(
+        self, core, route: FrameSocket | None, ids: list, budget: int, round_for: int, verify_s
+    ) -> None:
         """Draft the likeliest outcomes of the round being verified, for ``round_for``;
         a newer message stops it at the next draft step."""
         self._speculated = True
@@ -291,4 +339,4 @@ class DraftWorker:
             if not self._reply_in_step:  # else they wait here for the next message
                 rows = [(br.seq_id, br.guess, br.drafts) for br in branches]
                 drafts = pushed_drafts(rows, version=self.rounds.version)
-                core.push_drafts.remote(encode(DraftPush(round_for, drafts)))
+                self._push(core, route, DraftPush(round_for, drafts))

@@ -450,6 +450,45 @@ def test_compiled_graph_transport_is_exact(ray_local):
     assert 0 < hits < drafted and stats["hits"] == hits
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_round_messages_by_direct_channel_or_ray_calls_are_exact(
+    ray_local, tiny_target, tiny_draft, reference, seeded_reference, direct
+):
+    """The actor transport's round messages go over the direct channel (default) or Ray
+    calls, and greedy and seeded output are exact either way. Over the channel: the core
+    sends every message after it connects, greedy rows' pushes come back on it, and a
+    sampled row's push (q as an array) goes by Ray."""
+    spec = {"mode": "overlap", "num_speculative_tokens": 3, "adaptive_overlap": False}
+    cfg = config(
+        tiny_target,
+        tiny_draft,
+        speculation=spec,
+        direct_channel=direct,
+        scheduler={"max_num_seqs": 1},  # seeded rows: see the seeded test above
+    )
+
+    async def body(engine):
+        greedy = [await collect(engine, p, GREEDY) for p in PROMPTS[:4]]
+        sampled = [await collect(engine, p, seeded(i)) for i, p in enumerate(PROMPTS[:4])]
+        core = await engine.target.health.remote()
+        return greedy, sampled, core["draft_channel"], await engine.draft.stats.remote()
+
+    greedy, sampled, core, draft = asyncio.run(with_engine(cfg, body))
+    assert [t for t, _ in greedy] == [reference[tuple(p)] for p in PROMPTS[:4]]
+    assert [t for t, _ in sampled] == seeded_reference[:4]
+    print(f"direct={direct}: core {core}, draft {draft['messages']} in, {draft['pushes']} out")
+    if direct:
+        assert core["connected"] and draft["channel"] == {"connections": 1, "refused": 0}
+        # (the first messages may go by Ray while the channel opens)
+        assert core["sent"]["channel"] > 10 * core["sent"]["ray"]
+        assert draft["messages"]["channel"] == core["sent"]["channel"]
+        assert draft["pushes"]["channel"] > 0 and draft["pushes"]["ray"] > 0
+    else:
+        assert not core["connected"] and draft["channel"] is None
+        assert core["sent"]["channel"] == 0 and draft["messages"]["channel"] == 0
+        assert draft["pushes"]["channel"] == 0 and draft["pushes"]["ray"] > 0
+
+
 def test_speculation_after_target_only_requests(ray_local, tiny_target, tiny_draft, reference):
     """A request with speculation, after the engine served only target-only ones, gets
     drafts at once: the draft's first message is not used up by rounds that sent nothing."""

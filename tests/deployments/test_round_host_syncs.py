@@ -61,9 +61,9 @@ class CountingDraftWorker(DraftWorker):
         super().__init__(config)
         self.drafter.proposer.stop_early = False  # an accelerator's path (bench.syncs)
 
-    def _draft_now(self, core, msg):
+    def _draft_now(self, core, msg, route):
         with HostSyncCounter() as counter:
-            out = super()._draft_now(core, msg)
+            out = super()._draft_now(core, msg, route)
         self.counts.append(counter)
         return out
 
