@@ -308,7 +308,7 @@ def encode(msg: EngineCoreOutputs | DraftRoundMessage | DraftPush) -> Wire:
 def decode(cls: type[M], wire: Wire) -> M:
     """The message of type ``cls`` that :func:`encode` wrote (Ray hands a tuple back as a
     list)."""
-    if isinstance(wire, bytes):
+    if isinstance(wire, (bytes, bytearray, memoryview)):  # (a channel frame: bytearray)
         return _DECODERS[cls].decode(wire)
     data, arrays = wire
     return msgspec.msgpack.Decoder(cls, dec_hook=partial(_array_at, arrays)).decode(data)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from deployments.core.draft_channel import CoreChannel
 from deployments.messages import (
     DraftItem,
     DraftPush,
@@ -30,7 +31,6 @@ from deployments.messages import (
     decode,
     encode,
 )
-from deployments.workers.channel import FrameSocket, connect, pack, read_frames, unpack
 
 logger = logging.getLogger("specserve.draft_link")
 
@@ -216,8 +216,6 @@ class ActorDraftLink(DraftLink):
     by first making it not live, then calling :meth:`forget`.
     """
 
-    CHANNEL_TIMEOUT_S = 10.0  # longest wait for a draft's channel address and handshake [s]
-
     def __init__(
         self, transport: str, is_live: Callable[[Hashable], bool], direct_channel: bool = True
     ):
@@ -233,11 +231,12 @@ class ActorDraftLink(DraftLink):
         self._msg_no = time.time_ns() // 1000
         self._sender = _Sender()
         self._graph = _DraftGraph() if transport == "compiled_graph" else None
-        # The actor transport's direct connection to the draft (None: Ray calls), opened
-        # off the loop for each new draft (deployments.workers.channel).
-        self._direct = direct_channel and self._graph is None
-        self._channel: FrameSocket | None = None
-        self.sent = {"channel": 0, "ray": 0}  # round messages sent, by route
+        # The actor transport's direct connection to the draft (None: Ray calls only).
+        self.channel = (
+            CoreChannel(lambda wire: self.store(decode(DraftPush, wire)), self._resync_draft)
+            if direct_channel and self._graph is None
+            else None
+        )
 
     @property
     def has_draft(self) -> bool:
@@ -248,42 +247,15 @@ class ActorDraftLink(DraftLink):
         with self._cv:
             self._draft = draft
             self._first = True
-            self._close_channel()
             self._cv.notify_all()
-        if draft is not None and self._direct:
-            threading.Thread(
-                target=self._open_channel, args=(draft,), name="specserve-channel", daemon=True
-            ).start()
+        if self.channel is not None:
+            self.channel.open(draft)
 
-    @property
-    def channel_connected(self) -> bool:
-        return self._channel is not None
-
-    def _open_channel(self, draft) -> None:
-        """Connect to ``draft``'s channel, then read its pushes until the connection ends
-        (this thread's life); on any failure messages keep going by Ray calls."""
-        try:
-            address = ray.get(draft.channel_address.remote(), timeout=self.CHANNEL_TIMEOUT_S)
-            conn = connect(address, self.CHANNEL_TIMEOUT_S)
-        except Exception as exc:
-            logger.warning("no direct channel to the draft (%r): round messages go by Ray", exc)
-            return
+    def _resync_draft(self) -> None:
+        """The channel broke: a message may have been lost in it, and the draft takes
+        messages in order, so the next one starts it over (``first``, in full)."""
         with self._cv:
-            if self._draft is not draft:  # replaced meanwhile
-                conn.close()
-                return
-            self._channel = conn
-        logger.info("direct channel to the draft at %s:%d", address.host, address.port)
-        read_frames(conn, lambda payload: self.store(decode(DraftPush, unpack(payload))), "draft")
-        with self._cv:
-            if self._channel is conn:
-                self._channel = None
-
-    def _close_channel(self) -> None:
-        """Drop the channel (caller holds ``_cv``); its reader thread ends."""
-        conn, self._channel = self._channel, None
-        if conn is not None:
-            conn.close()
+            self._first = True
 
     def kept(self) -> set[Hashable]:
         with self._cv:
@@ -331,32 +303,18 @@ class ActorDraftLink(DraftLink):
         self._msg_no += 1
         msg = DraftRoundMessage(self._msg_no, first, self.round, items, freed, feedback)
         if self._graph is None:
-            if not self._send_direct(msg):
-                self._sender.send(draft.on_round, encode(msg))
+            wire = encode(msg)
+            if self.channel is None or not self.channel.send(wire):
+                with self._cv:
+                    resync = self._first and self._draft is draft  # the channel broke
+                if resync:  # start the draft over, by Ray (or a new connection)
+                    return self.send(items, freed, feedback, full_items)
+                self._sender.send(draft.on_round, wire)
             return True
         if self._graph.execute(draft, msg):
             return True
         self.lose(draft)
         return False
-
-    def _send_direct(self, msg: DraftRoundMessage) -> bool:
-        """``msg`` over the channel, written from this (the loop's) thread; False if there
-        is none or it broke (then it goes by Ray: the draft orders messages by number)."""
-        conn = self._channel
-        if conn is None:
-            self.sent["ray"] += 1
-            return False
-        try:
-            conn.send(pack(encode(msg)))
-        except OSError as exc:
-            logger.warning("direct channel to the draft failed (%r): back to Ray calls", exc)
-            with self._cv:
-                if self._channel is conn:
-                    self._close_channel()
-            self.sent["ray"] += 1
-            return False
-        self.sent["channel"] += 1
-        return True
 
     def gather(self, need: dict[Hashable, tuple], timeout_s: float) -> Gathered:
         out = Gathered()
@@ -417,6 +375,7 @@ class ActorDraftLink(DraftLink):
         with self._cv:
             if self._draft is draft:
                 self._draft = None
-                self._close_channel()
+                if self.channel is not None:
+                    self.channel.open(None)
         if draft is not None:
             ray.kill(draft, no_restart=True)

@@ -300,8 +300,8 @@ class EngineCore:
             "loop_alive": self._thread.is_alive(),
             # the actor transport's route to the draft: channel connected, messages by route
             "draft_channel": (
-                {"connected": self.link.channel_connected, "sent": dict(self.link.sent)}
-                if isinstance(self.link, ActorDraftLink)
+                {"connected": channel.connected, "sent": dict(channel.sent)}
+                if (channel := getattr(self.link, "channel", None)) is not None
                 else None
             ),
             "kv_cache": self.runner.kv_usage(),

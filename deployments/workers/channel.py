@@ -9,19 +9,23 @@ straight from the sending loop's thread and read by a thread that blocks in ``re
 (nothing polls: a Ray Compiled Graph's channels would, and on a small machine that costs
 the other processes their cores).
 
-What travels: length-prefixed frames. A frame's payload is the msgpack array
-``[message bytes, [[dtype, shape, raw bytes], ...]]`` of a :data:`deployments.messages.Wire`
-(:func:`pack`, :func:`unpack`); nothing on the channel is ever unpickled.
+What travels: length-prefixed frames, each one encoded message
+(:func:`deployments.messages.encode` when it gives bytes). A push that carries arrays (a
+sampled row's ``q``) goes by Ray instead, which moves large arrays out of band; so the
+channel never carries arrays, and nothing on it is ever unpickled.
 
 Who may connect: the draft's :class:`ChannelServer` listens on its node's address with a
 random token that only Ray's control plane carries (:class:`deployments.messages.
 ChannelAddress`, returned by the draft actor to its core). A connection's first frame must
-be that token within :data:`HANDSHAKE_TIMEOUT_S`, compared in constant time; anything else
-is closed, and each connection is handled on its own thread, so a stalled or hostile peer
-delays nobody else. Frames above :data:`MAX_FRAME_BYTES` end their connection.
+be that token, whole within :data:`HANDSHAKE_TIMEOUT_S`, compared in constant time;
+anything else is closed. Each connection is handled on its own thread, at most
+:data:`MAX_HANDSHAKES` of them at once before the token is shown, so a stalled or hostile
+peer delays nobody else. Frames above :data:`MAX_FRAME_BYTES` end their connection.
 
-Ray stays the fallback: a core that cannot connect, or whose connection breaks, sends by
-actor calls again (the draft orders messages by number, whichever way they came).
+A send that cannot finish within :data:`SEND_TIMEOUT_S` (a peer that stopped reading)
+raises, like a broken connection: the sender then closes the connection (a part of a frame
+may have gone) and goes back to Ray calls, and the core resynchronises its draft
+(:class:`deployments.core.draft_link.ActorDraftLink`).
 """
 
 from __future__ import annotations
@@ -33,38 +37,21 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
-import msgspec
-import numpy as np
-
-from deployments.messages import ChannelAddress, Wire
+from deployments.messages import ChannelAddress
 
 logger = logging.getLogger("specserve.channel")
 
-HANDSHAKE_TIMEOUT_S = 5.0  # a peer must connect and show the token within this [s]
-MAX_FRAME_BYTES = 256 << 20  # a batch-32 push of dense 16-bit q at 128k vocab is ~41 MB
+HANDSHAKE_TIMEOUT_S = 5.0  # a peer must show the whole token within this [s]
+MAX_HANDSHAKES = 16  # connections at once that have not shown the token yet
+SEND_TIMEOUT_S = 5.0  # longest a frame may take to go into the kernel [s]
+# A full resync of every running row (prompt and output ids, ~3 bytes a token in msgpack)
+# stays far below this; a larger message goes by Ray.
+MAX_FRAME_BYTES = 64 << 20
 _LENGTH = struct.Struct("!I")  # a frame's payload length [bytes], network order
 _ACCEPTED = b"ok"
-_Payload = tuple[bytes, list[tuple[str, list[int], bytearray]]]  # message, [dtype, shape, data]
-
-
-def pack(wire: Wire) -> bytes:
-    """A frame's payload: the message's bytes and each array's dtype, shape and bytes."""
-    data, arrays = (wire, []) if isinstance(wire, bytes) else wire
-    parts = [
-        [a.dtype.str, list(a.shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8).data]
-        for a in arrays
-    ]
-    return msgspec.msgpack.encode([data, parts])
-
-
-def unpack(payload: bytes) -> Wire:
-    """The :data:`Wire` that :func:`pack` wrote (its arrays writable, as torch wants)."""
-    data, parts = msgspec.msgpack.decode(payload, type=_Payload)
-    if not parts:
-        return data
-    return data, [np.frombuffer(raw, dtype=np.dtype(dt)).reshape(shape) for dt, shape, raw in parts]
 
 
 class FrameSocket:
@@ -75,15 +62,20 @@ class FrameSocket:
         self.sock = sock
         self._send_lock = threading.Lock()
         self.closed = False
+        # Sends give up after SEND_TIMEOUT_S; reads block (the socket stays in blocking
+        # mode, so a reader waits as long as the line is quiet).
+        timeval = struct.pack("ll", int(SEND_TIMEOUT_S), int(SEND_TIMEOUT_S % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
     def send(self, payload: bytes) -> None:
-        """Write one frame; raises OSError if the connection is gone."""
+        """Write one frame; raises OSError if the connection is gone or the peer does not
+        take it in time, ValueError (nothing written) if it is over the limit."""
         if len(payload) > MAX_FRAME_BYTES:
             raise ValueError(f"frame of {len(payload)} bytes is over {MAX_FRAME_BYTES}")
         with self._send_lock:
             self.sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
-    def recv(self) -> bytes | None:
+    def recv(self) -> bytearray | None:
         """The next frame's payload; None once the peer closed the connection. Raises
         OSError (or ValueError for a frame over the limit: the connection is unusable)."""
         head = self.read_exact(_LENGTH.size)
@@ -97,18 +89,24 @@ class FrameSocket:
             raise ConnectionError("connection closed inside a frame")
         return payload
 
-    def read_exact(self, size: int) -> bytes | None:
-        """``size`` bytes; None if the peer closed before the first."""
+    def read_exact(self, size: int, deadline: float | None = None) -> bytearray | None:
+        """``size`` bytes; None if the peer closed before the first. With ``deadline``
+        (``time.monotonic()``), raises TimeoutError once it passes."""
         buf = bytearray(size)
         view, got = memoryview(buf), 0
         while got < size:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("handshake took too long")
+                self.sock.settimeout(left)
             n = self.sock.recv_into(view[got:])
             if n == 0:
                 if got:
                     raise ConnectionError("connection closed inside a frame")
                 return None
             got += n
-        return bytes(buf)
+        return buf
 
     def close(self) -> None:
         self.closed = True
@@ -117,15 +115,16 @@ class FrameSocket:
         self.sock.close()
 
 
-def read_frames(conn: FrameSocket, on_frame: Callable[[bytes], None], name: str) -> None:
+def read_frames(conn: FrameSocket, on_frame: Callable[[bytearray], None], name: str) -> None:
     """Hand every frame of ``conn`` to ``on_frame`` until the connection ends (a reader
-    thread's body); a broken or oversized frame ends it, logged."""
+    thread's body). A broken or oversized frame, or ``on_frame`` raising (a frame that is
+    not the message it should be), ends it, logged; the connection is closed either way."""
     try:
         while (payload := conn.recv()) is not None:
             on_frame(payload)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:
         if not conn.closed:
-            logger.warning("%s: connection ended: %r", name, exc)
+            logger.warning("%s channel: connection ended: %r", name, exc)
     finally:
         conn.close()
 
@@ -134,11 +133,13 @@ class ChannelServer:
     """The draft's listening end: accepts connections that show the token, and hands each
     frame to ``on_frame(payload, conn)`` on that connection's own thread."""
 
-    def __init__(self, host: str, on_frame: Callable[[bytes, FrameSocket], None]):
+    def __init__(self, host: str, on_frame: Callable[[bytearray, FrameSocket], None]):
         self._on_frame = on_frame
         self._token = secrets.token_bytes(32)
         self._sock = socket.create_server((host, 0), backlog=16)
         self.address = ChannelAddress(host, self._sock.getsockname()[1], self._token)
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._lock = threading.Lock()
         self.connections = 0  # accepted (token shown)
         self.refused = 0  # closed at the handshake
         threading.Thread(target=self._accept, name="specserve-channel", daemon=True).start()
@@ -149,33 +150,52 @@ class ChannelServer:
                 sock, _ = self._sock.accept()
             except OSError:  # closed
                 return
-            threading.Thread(
-                target=self._serve, args=(sock,), name="specserve-channel-conn", daemon=True
-            ).start()
+            if not self._handshakes.acquire(blocking=False):  # too many waiting peers
+                self._count_refused("too many handshakes at once")
+                sock.close()
+                continue
+            try:
+                threading.Thread(
+                    target=self._serve, args=(sock,), name="specserve-channel-conn", daemon=True
+                ).start()
+            except RuntimeError as exc:  # no thread to spare: refuse this one, go on
+                self._handshakes.release()
+                self._count_refused(repr(exc))
+                sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = FrameSocket(sock)
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            self._check_token(conn)
+            try:
+                conn = FrameSocket(sock)
+                self._check_token(conn)
+            finally:  # (before the peer hears back: its place is free when it does)
+                self._handshakes.release()
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self.connections += 1
             conn.send(_ACCEPTED)
-        except OSError as exc:  # (PermissionError is one)
-            self.refused += 1
-            logger.warning("channel: refused a connection: %r", exc)
-            conn.close()
+        except OSError as exc:  # (PermissionError and TimeoutError are)
+            self._count_refused(repr(exc))
+            sock.close()
             return
-        self.connections += 1
-        read_frames(conn, lambda payload: self._on_frame(payload, conn), "channel")
+        read_frames(conn, lambda payload: self._on_frame(payload, conn), "draft")
 
     def _check_token(self, conn: FrameSocket) -> None:
-        """The connection's first frame is the token, or it is refused (PermissionError)."""
-        head = conn.read_exact(_LENGTH.size)
+        """The connection's first frame is the whole token within the handshake's time,
+        or it is refused (PermissionError, TimeoutError)."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        head = conn.read_exact(_LENGTH.size, deadline)
         if head is None or _LENGTH.unpack(head)[0] != len(self._token):
             raise PermissionError("not a channel handshake")
-        if not hmac.compare_digest(conn.read_exact(len(self._token)) or b"", self._token):
+        shown = conn.read_exact(len(self._token), deadline)
+        if not hmac.compare_digest(bytes(shown or b""), self._token):
             raise PermissionError("wrong token")
+
+    def _count_refused(self, why: str) -> None:
+        with self._lock:
+            self.refused += 1
+        logger.warning("draft channel: refused a connection: %s", why)
 
     def close(self) -> None:
         self._sock.close()
@@ -183,16 +203,18 @@ class ChannelServer:
 
 def connect(address: ChannelAddress, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> FrameSocket:
     """The core's end: connect, show the token and wait for the server's word (raises
-    OSError or PermissionError if it does not come within ``timeout_s``)."""
+    OSError, e.g. PermissionError or TimeoutError, if it does not come within
+    ``timeout_s``). The server is the one at the address the draft gave over Ray."""
     sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
-    conn = FrameSocket(sock)
     try:
+        conn = FrameSocket(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.send(address.token)
         if conn.recv() != _ACCEPTED:
             raise PermissionError("the draft refused the channel")
         sock.settimeout(None)
     except BaseException:
-        conn.close()
+        with contextlib.suppress(OSError):
+            sock.close()
         raise
     return conn

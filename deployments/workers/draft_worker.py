@@ -26,7 +26,7 @@ from deployments.messages import (
     decode,
     encode,
 )
-from deployments.workers.channel import ChannelServer, FrameSocket, pack, unpack
+from deployments.workers.channel import ChannelServer, FrameSocket
 from deployments.workers.drafting import DraftRounds, WeightsHandoff, pushed_drafts
 from deployments.workers.model_loader import (
     configure_thread,
@@ -128,8 +128,9 @@ class DraftWorker:
             return self._channel.address
 
     def _on_frame(self, payload: bytes, conn: FrameSocket) -> None:
-        """A round message over the channel (a connection's reader thread)."""
-        msg = decode(DraftRoundMessage, unpack(payload))
+        """A round message over the channel (a connection's reader thread; raising ends
+        the connection, and the core resynchronises)."""
+        msg = decode(DraftRoundMessage, payload)
         with self._cv:
             self.messages["channel"] += 1
             self._enqueue(msg, conn)
@@ -156,11 +157,11 @@ class DraftWorker:
     def _enqueue(self, msg: DraftRoundMessage, route: FrameSocket | None = None) -> bool:
         """Queue a message for the loop (caller holds ``_cv``); False if it is stale.
         ``route``: the connection it came by (None: a Ray call or graph step)."""
+        if self._next_no is not None and msg.msg_no < self._next_no:
+            return False  # from a core that has been replaced, or a second copy
         if msg.first:  # a new core (or this draft is new to it): start from this message
             self._inbox = {no: m for no, m in self._inbox.items() if no > msg.msg_no}
             self._next_no = msg.msg_no
-        elif self._next_no is not None and msg.msg_no < self._next_no:
-            return False  # from a core that has been replaced
         if not self._inbox:
             self._waiting_since = time.monotonic()
         self._inbox[msg.msg_no] = (msg, route)
@@ -210,11 +211,12 @@ class DraftWorker:
 
     @ray.method(concurrency_group="io")
     def stalled_s(self) -> float:
-        """Seconds the loop has spent on the message it is handling, or a message has
-        waited for it (0 when idle): the frontend replaces a draft whose loop hangs."""
+        """Seconds the loop has spent on the message it is handling, or messages have
+        waited for it (0 when idle): the frontend replaces a draft whose loop hangs, or
+        whose next message never came (a gap in the numbers the core cannot mend)."""
         since = self._busy_since
         with self._cv:
-            if since is None and self._has_next():
+            if since is None and self._inbox:
                 since = self._waiting_since
         return 0.0 if since is None else time.monotonic() - since
 
@@ -277,11 +279,12 @@ class DraftWorker:
         wire = encode(push)
         if route is not None and isinstance(wire, bytes) and not route.closed:
             try:
-                route.send(pack(wire))
+                route.send(wire)
                 self.pushes["channel"] += 1
                 return
-            except OSError as exc:  # the core went, or its connection did: try Ray
+            except (OSError, ValueError) as exc:  # the core or the connection went: Ray
                 logger.warning("draft channel: push failed (%r); pushing by Ray", exc)
+                route.close()  # (a part of a frame may have gone: the core resyncs)
         if core is not None:
             core.push_drafts.remote(wire)
             self.pushes["ray"] += 1

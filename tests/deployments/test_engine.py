@@ -480,12 +480,12 @@ def test_round_messages_by_direct_channel_or_ray_calls_are_exact(
     if direct:
         assert core["connected"] and draft["channel"] == {"connections": 1, "refused": 0}
         # (the first messages may go by Ray while the channel opens)
-        assert core["sent"]["channel"] > 10 * core["sent"]["ray"]
+        assert core["sent"]["channel"] > core["sent"]["ray"]
         assert draft["messages"]["channel"] == core["sent"]["channel"]
         assert draft["pushes"]["channel"] > 0 and draft["pushes"]["ray"] > 0
     else:
-        assert not core["connected"] and draft["channel"] is None
-        assert core["sent"]["channel"] == 0 and draft["messages"]["channel"] == 0
+        assert core is None and draft["channel"] is None
+        assert draft["messages"]["channel"] == 0 and draft["messages"]["ray"] > 0
         assert draft["pushes"]["channel"] == 0 and draft["pushes"]["ray"] > 0
 
 
