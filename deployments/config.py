@@ -429,12 +429,13 @@ class EngineConfig(_Strict):
     )
     direct_channel: bool = Field(
         default=True,
-        description="transport 'actor': the engine core and its draft actor exchange round "
-        "messages and pushes (those without sampled rows' q) over one direct TCP connection "
-        "to the draft's node, authenticated by a random token passed over Ray, instead of Ray "
-        "actor calls (tens of microseconds a hop instead of ~1.5 ms on a 2-core machine); "
-        "Ray calls remain the fallback when it cannot connect or breaks. False: Ray calls "
-        "only (e.g. where nodes may not open ports to each other).",
+        description="Direct TCP connections, each authenticated by a random token passed over "
+        "Ray, instead of a Ray actor call per message: the engine core and its draft actor "
+        "exchange round messages and pushes (those without sampled rows' q; transport "
+        "'actor'), and the replica long-polls the core's outputs (tens of microseconds a hop "
+        "instead of ~1.5 ms of a Ray call on a 2-core machine). Ray calls remain the fallback "
+        "when one cannot connect or breaks. False: Ray calls only, no ports opened (e.g. "
+        "where nodes may not open ports to each other).",
     )
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="Draft length and pipeline mode."

@@ -60,6 +60,7 @@ __all__ = [
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
+    "OutputsRequest",
     "PushedDraft",
     "RoundFeedback",
     "RowOutcome",
@@ -241,6 +242,15 @@ class EngineCoreConfig(msgspec.Struct, frozen=True):
     proposer_choice: ProposerChoiceConfig | None = None
     ngram_max: int = 4  # n-gram lookup: the longest suffix matched [tokens]
     ngram_min: int = 1  # ... the shortest [tokens]
+
+
+class OutputsRequest(msgspec.Struct, frozen=True):
+    """A replica's long-poll for its core's outputs over the direct channel (the same
+    question as ``EngineCore.get_outputs``; the answer is an encoded
+    :class:`EngineCoreOutputs`)."""
+
+    cursor: int  # outputs before it are acknowledged (the core drops them)
+    timeout_s: float  # longest wait for an output [s]
 
 
 class ChannelAddress(msgspec.Struct, frozen=True):

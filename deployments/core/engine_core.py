@@ -31,6 +31,7 @@ import time
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
+import msgspec
 import ray
 import torch
 
@@ -41,6 +42,7 @@ from deployments.core.logprobs import score_prompt, token_logprobs
 from deployments.core.round_stats import RoundTimings, Telemetry
 from deployments.core.scheduler import RunningSeq, Scheduler
 from deployments.messages import (
+    ChannelAddress,
     ColocatedDraftConfig,
     DraftItem,
     DraftPush,
@@ -49,6 +51,7 @@ from deployments.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    OutputsRequest,
     PushedDraft,
     RoundFeedback,
     TelemetrySnapshot,
@@ -56,6 +59,7 @@ from deployments.messages import (
     decode,
     encode,
 )
+from deployments.workers.channel import ChannelServer, FrameSocket
 from deployments.workers.drafting import DraftRounds, WeightsHandoff
 from deployments.workers.model_loader import (
     configure_thread,
@@ -76,6 +80,7 @@ from specdec.verify import VerifyRow, sample_next, verify_rows
 __all__ = ["EngineCore", "RoundTimings", "Telemetry", "token_logprobs"]
 
 logger = logging.getLogger("specserve.core")
+_OUTPUTS_REQUEST = msgspec.msgpack.Decoder(OutputsRequest)
 POLICY_STATE_EVERY_S = 0.05  # how fresh the policy snapshot drain_telemetry returns is
 
 # (seq_id, feed [last committed token, *drafts], its verification row): one row of a pass
@@ -137,6 +142,7 @@ class EngineCore:
             else self._colocated_link(config.colocated_draft)
         )
         self._out_cv = threading.Condition()
+        self._outputs_channel: ChannelServer | None = None  # the replica's direct polls
         self._outbox: list[EngineCoreOutput] = []
         self._out_base = 0
         self._verify_avg: float | None = None
@@ -332,6 +338,30 @@ class EngineCore:
     def get_outputs(self, cursor: int, timeout_s: float) -> bytes:
         """Long-poll: an encoded :class:`EngineCoreOutputs` of the outputs after ``cursor``
         (those before it are acknowledged and dropped), waiting up to ``timeout_s`` for one."""
+        return self._take_outputs(cursor, timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def outputs_channel_address(self) -> ChannelAddress:
+        """Where the replica asks for outputs without a Ray call per round (the direct
+        channel, :mod:`deployments.workers.channel`: a poll is one frame each way, served
+        on the connection's own thread; opened on the first ask)."""
+        with self._out_cv:
+            if self._outputs_channel is None:
+                host = ray.util.get_node_ip_address()
+                self._outputs_channel = ChannelServer(host, self._on_outputs_request)
+            return self._outputs_channel.address
+
+    def _on_outputs_request(self, payload: bytearray, conn: FrameSocket) -> None:
+        """A poll over the channel, answered on it (raising ends the connection: the
+        replica polls by Ray then). Outputs too large for a frame go by Ray alike."""
+        request = _OUTPUTS_REQUEST.decode(payload)
+        wire = self._take_outputs(request.cursor, min(max(request.timeout_s, 0.0), 60.0))
+        if not isinstance(wire, bytes):
+            raise ValueError("outputs with arrays travel by Ray")
+        conn.send(wire)
+
+    def _take_outputs(self, cursor: int, timeout_s: float) -> bytes:
+        """:meth:`get_outputs`, whichever way the poll came."""
         with self._out_cv:
             drop = max(0, min(cursor - self._out_base, len(self._outbox)))
             del self._outbox[:drop]

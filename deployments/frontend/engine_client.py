@@ -27,6 +27,7 @@ from ray.exceptions import RayActorError
 from deployments.config import EngineConfig
 from deployments.core.engine_core import RoundTimings
 from deployments.frontend.detokenizer import IncrementalDetokenizer
+from deployments.frontend.outputs_channel import OutputsChannel
 from deployments.frontend.request_state import (
     EngineError,
     EngineOverloadedError,
@@ -104,6 +105,8 @@ class EngineClient:
         self._ids = itertools.count()
         self._fatal: str | None = None
         self._core_health: dict[str, Any] = {}  # the core's health(), refreshed by _poll
+        # The core's outputs over a direct connection (None: a Ray call per poll).
+        self._outputs = OutputsChannel() if config.direct_channel else None
         self._draft_kv: dict[str, Any] | None = None  # the draft actor's KV, refreshed with it
         self._core_health_at = float("-inf")
         # The draft weights every draft of this engine must serve, (version, state dict
@@ -256,6 +259,8 @@ class EngineClient:
             "draft_version": self._draft_weights[0] if self._draft_weights else 0,
             "draft_versions": dict(self.telemetry.domain_versions) if self.telemetry else {},
             "draft_update": self.draft_update,
+            "draft_channel": self._core_health.get("draft_channel"),
+            "outputs_polls": None if self._outputs is None else dict(self._outputs.polls),
             "error": self._fatal,
         }
 
@@ -318,6 +323,8 @@ class EngineClient:
         self._fail("the engine is shutting down")
         for task in self._tasks:
             task.cancel()
+        if self._outputs is not None:
+            self._outputs.close()
         for actor in (self.target, self.draft):
             if actor is not None:
                 ray.kill(actor)
@@ -537,12 +544,7 @@ class EngineClient:
         cursor = 0
         while True:
             try:
-                polled = decode(
-                    EngineCoreOutputs,
-                    await self._call(
-                        self.target.get_outputs.remote(cursor, POLL_TIMEOUT_S), POLL_TIMEOUT_S
-                    ),
-                )
+                polled = decode(EngineCoreOutputs, await self._poll_once(cursor))
                 cursor, outs, error = polled.cursor, polled.outputs, polled.error
             except asyncio.CancelledError:
                 raise
@@ -567,6 +569,16 @@ class EngineClient:
             if not outs or warming or time.monotonic() - self._core_health_at > HEALTH_EVERY_S:
                 self._core_health_at = time.monotonic()
                 await self._refresh_health()
+
+    async def _poll_once(self, cursor: int):
+        """One long-poll: over the direct channel where it works, else a Ray call."""
+        target = self.target
+        if self._outputs is not None:
+            deadline_s = self.config.faults.call_timeout_s + POLL_TIMEOUT_S
+            wire = await self._outputs.poll(target, cursor, POLL_TIMEOUT_S, deadline_s)
+            if wire is not None:
+                return wire
+        return await self._call(target.get_outputs.remote(cursor, POLL_TIMEOUT_S), POLL_TIMEOUT_S)
 
     async def _refresh_health(self) -> None:
         """The core's batch and KV figures, and the draft actor's KV (for /health); a

@@ -401,6 +401,14 @@ class KVCacheUsage(BaseModel):
     allocated_bytes: int = Field(description="Bytes of keys and values allocated.")
 
 
+class DraftChannelState(BaseModel):
+    connected: bool = Field(description="The core's direct channel to its draft is up.")
+    sent: dict[str, int] = Field(
+        description="Round messages the core sent to its draft, by route: 'channel' (the "
+        "direct connection) or 'ray' (actor calls: while it opens, or after it broke)."
+    )
+
+
 class Health(BaseModel):
     status: Literal["ok", "warming", "degraded", "unavailable"] = Field(
         description="ok: serving with speculation; warming: compiling the models' graphs "
@@ -437,5 +445,11 @@ class Health(BaseModel):
         "on this replica (with a monitor; a domain not drafted since the replica started "
         "is absent); it reaches draft_version with the domain's first round drafted after a "
         "swap.",
+    )
+    draft_channel: DraftChannelState | None = Field(
+        default=None,
+        description="The draft actor's round messages: whether the direct channel is "
+        "connected, and messages sent by route. None with a colocated draft, the "
+        "compiled_graph transport or direct_channel: false, or until the core reports.",
     )
     error: str | None = Field(default=None, description="Why the replica cannot serve.")

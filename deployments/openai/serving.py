@@ -54,6 +54,8 @@ def engine_health(engine: EngineClient) -> tuple[Health, int]:
         draft_kv_cache=h["draft_kv_cache"],
         aborted=h["aborted"],
         draft_version=h["draft_version"],
+        draft_versions=h["draft_versions"],
+        draft_channel=h["draft_channel"],
         error=h["error"],
     )
     return body, 503 if body.status == "unavailable" else 200

@@ -456,8 +456,9 @@ def test_round_messages_by_direct_channel_or_ray_calls_are_exact(
 ):
     """The actor transport's round messages go over the direct channel (default) or Ray
     calls, and greedy and seeded output are exact either way. Over the channel: the core
-    sends every message after it connects, greedy rows' pushes come back on it, and a
-    sampled row's push (q as an array) goes by Ray."""
+    sends every message after it connects, greedy rows' pushes come back on it, a sampled
+    row's push (q as an array) goes by Ray, and the replica polls the core's outputs on a
+    channel of its own."""
     spec = {"mode": "overlap", "num_speculative_tokens": 3, "adaptive_overlap": False}
     cfg = config(
         tiny_target,
@@ -471,19 +472,22 @@ def test_round_messages_by_direct_channel_or_ray_calls_are_exact(
         greedy = [await collect(engine, p, GREEDY) for p in PROMPTS[:4]]
         sampled = [await collect(engine, p, seeded(i)) for i, p in enumerate(PROMPTS[:4])]
         core = await engine.target.health.remote()
-        return greedy, sampled, core["draft_channel"], await engine.draft.stats.remote()
+        polls = engine.health()["outputs_polls"]
+        return greedy, sampled, core["draft_channel"], await engine.draft.stats.remote(), polls
 
-    greedy, sampled, core, draft = asyncio.run(with_engine(cfg, body))
+    greedy, sampled, core, draft, polls = asyncio.run(with_engine(cfg, body))
     assert [t for t, _ in greedy] == [reference[tuple(p)] for p in PROMPTS[:4]]
     assert [t for t, _ in sampled] == seeded_reference[:4]
     print(f"direct={direct}: core {core}, draft {draft['messages']} in, {draft['pushes']} out")
-    if direct:
+    if direct:  # (the replica's polls for outputs too, after the core's first answer)
+        assert polls["channel"] > 10 * polls["ray"], polls
         assert core["connected"] and draft["channel"] == {"connections": 1, "refused": 0}
         # (the first messages may go by Ray while the channel opens)
         assert core["sent"]["channel"] > core["sent"]["ray"]
         assert draft["messages"]["channel"] == core["sent"]["channel"]
         assert draft["pushes"]["channel"] > 0 and draft["pushes"]["ray"] > 0
     else:
+        assert polls is None
         assert core is None and draft["channel"] is None
         assert draft["messages"]["channel"] == 0 and draft["messages"]["ray"] > 0
         assert draft["pushes"]["channel"] == 0 and draft["pushes"]["ray"] > 0

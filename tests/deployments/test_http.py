@@ -84,6 +84,14 @@ def test_models_and_health(base_url, client):
     assert 0 <= kv["used_slots"] <= kv["num_slots"] and 0.0 <= kv["usage"] <= 1.0
     draft_kv = health["draft_kv_cache"]  # the draft actor's, slots for sequences + branches
     assert draft_kv["num_slots"] >= kv["num_slots"] and draft_kv["allocated_bytes"] > 0
+    # The core's round messages to its draft go over the direct channel (the figures
+    # come with the core's health, refreshed every few seconds).
+    deadline = time.monotonic() + 30
+    while not (health["draft_channel"] or {}).get("connected") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        health = httpx.get(f"{base_url}/health").json()
+    assert health["draft_channel"]["connected"], health["draft_channel"]
+    assert set(health["draft_channel"]["sent"]) == {"channel", "ray"}
 
 
 def test_greedy_completion_equals_target_only(client, tokenizer):
