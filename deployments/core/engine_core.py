@@ -325,6 +325,8 @@ class EngineCore:
             self._stopped = True
             self._cv.notify_all()
         self._thread.join(timeout=10)
+        if self._outputs_channel is not None:
+            self._outputs_channel.close()
 
     @ray.method(concurrency_group="push")
     def push_drafts(self, push: Wire) -> None:
@@ -348,7 +350,7 @@ class EngineCore:
         with self._out_cv:
             if self._outputs_channel is None:
                 host = ray.util.get_node_ip_address()
-                self._outputs_channel = ChannelServer(host, self._on_outputs_request)
+                self._outputs_channel = ChannelServer(host, self._on_outputs_request, "outputs")
             return self._outputs_channel.address
 
     def _on_outputs_request(self, payload: bytearray, conn: FrameSocket) -> None:

@@ -11,8 +11,10 @@ and replay after a failure are unchanged.
 
 A poll that breaks (the core died, or its connection did) goes by Ray instead, and the Ray
 call tells a dead core from a live one exactly as before; a poll that times out counts as
-a hung core, as a Ray call's timeout does. After a break the next polls connect again, a
-few times per core, then stay on Ray.
+a hung core, as a Ray call's timeout does. Connecting happens beside the polls (they go by
+Ray until it is done, so a firewall that drops the packets delays no output); a core that
+cannot be reached is not tried again, and after a break the channel connects again, a few
+times per core, then stays on Ray.
 """
 
 from __future__ import annotations
@@ -36,15 +38,16 @@ class OutputsChannel:
     CONNECT_TIMEOUT_S = 10.0
 
     def __init__(self):
-        self._target = None  # the core connected to (or whose connect failed)
+        self._target = None  # the core connected to (or being connected to)
         self._conn: FrameSocket | None = None
-        self._reconnects = 0
+        self._connecting: asyncio.Task | None = None
+        self._reconnects = 0  # connects left for this core
         self.polls = {"channel": 0, "ray": 0}  # by route
 
     async def poll(self, target, cursor: int, timeout_s: float, deadline_s: float):
         """The core's encoded outputs after ``cursor`` (a bytearray), or None: poll by Ray
         this time. Raises ``asyncio.TimeoutError`` if no answer comes in ``deadline_s``."""
-        conn = await self._connection(target)
+        conn = self._connection(target)
         if conn is None:
             self.polls["ray"] += 1
             return None
@@ -59,23 +62,39 @@ class OutputsChannel:
             self._drop()
             self.polls["ray"] += 1
             return None
+        except BaseException:  # cancelled: an answer may still come on it, for nobody
+            self._drop()
+            raise
         self.polls["channel"] += 1
         return wire
 
-    async def _connection(self, target) -> FrameSocket | None:
+    def _connection(self, target) -> FrameSocket | None:
+        """The connection to ``target`` if there is one; else starts connecting (beside
+        the polls) while connects are left for it."""
         if target is not self._target:
-            self._drop()
+            self.close()
             self._target, self._reconnects = target, self.RECONNECTS + 1
-        if self._conn is None and self._reconnects > 0 and target is not None:
+        idle = self._connecting is None or self._connecting.done()
+        if self._conn is None and idle and self._reconnects > 0 and target is not None:
             self._reconnects -= 1
-            try:
-                address = await asyncio.wait_for(
-                    target.outputs_channel_address.remote(), self.CONNECT_TIMEOUT_S
-                )
-                self._conn = await asyncio.to_thread(connect, address, self.CONNECT_TIMEOUT_S)
-            except Exception as exc:  # (a core that cannot answer is the Ray poll's to see)
-                logger.warning("no outputs channel to the core (%r): polling by Ray", exc)
+            self._connecting = asyncio.create_task(self._connect(target))
         return self._conn
+
+    async def _connect(self, target) -> None:
+        try:
+            address = await asyncio.wait_for(
+                target.outputs_channel_address.remote(), self.CONNECT_TIMEOUT_S
+            )
+            conn = await asyncio.to_thread(connect, address, self.CONNECT_TIMEOUT_S)
+        except Exception as exc:  # (a core that cannot answer is the Ray poll's to see)
+            logger.warning("no outputs channel to the core (%r): polling by Ray", exc)
+            if target is self._target:
+                self._reconnects = 0  # unreachable: not tried again (a break is)
+            return
+        if target is self._target and self._conn is None:
+            self._conn = conn
+        else:  # replaced or closed meanwhile
+            conn.close()
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -84,6 +103,9 @@ class OutputsChannel:
 
     def close(self) -> None:
         self._drop()
+        if self._connecting is not None:
+            self._connecting.cancel()
+            self._connecting = None
         self._target = None
 
 

@@ -130,11 +130,15 @@ def read_frames(conn: FrameSocket, on_frame: Callable[[bytearray], None], name: 
 
 
 class ChannelServer:
-    """The draft's listening end: accepts connections that show the token, and hands each
-    frame to ``on_frame(payload, conn)`` on that connection's own thread."""
+    """The listening end (the draft's, or the core's for output polls): accepts connections
+    that show the token, and hands each frame to ``on_frame(payload, conn)`` on that
+    connection's own thread; ``name`` says whose it is in the logs."""
 
-    def __init__(self, host: str, on_frame: Callable[[bytearray, FrameSocket], None]):
+    def __init__(
+        self, host: str, on_frame: Callable[[bytearray, FrameSocket], None], name: str = "draft"
+    ):
         self._on_frame = on_frame
+        self.name = name
         self._token = secrets.token_bytes(32)
         self._sock = socket.create_server((host, 0), backlog=16)
         self.address = ChannelAddress(host, self._sock.getsockname()[1], self._token)
@@ -179,7 +183,7 @@ class ChannelServer:
             self._count_refused(repr(exc))
             sock.close()
             return
-        read_frames(conn, lambda payload: self._on_frame(payload, conn), "draft")
+        read_frames(conn, lambda payload: self._on_frame(payload, conn), self.name)
 
     def _check_token(self, conn: FrameSocket) -> None:
         """The connection's first frame is the whole token within the handshake's time,
@@ -195,7 +199,7 @@ class ChannelServer:
     def _count_refused(self, why: str) -> None:
         with self._lock:
             self.refused += 1
-        logger.warning("draft channel: refused a connection: %s", why)
+        logger.warning("%s channel: refused a connection: %s", self.name, why)
 
     def close(self) -> None:
         self._sock.close()
@@ -211,7 +215,7 @@ def connect(address: ChannelAddress, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> 
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.send(address.token)
         if conn.recv() != _ACCEPTED:
-            raise PermissionError("the draft refused the channel")
+            raise PermissionError("the listener refused the channel")
         sock.settimeout(None)
     except BaseException:
         with contextlib.suppress(OSError):
