@@ -9,8 +9,9 @@ median over reps of the ratio within a rep (a shared machine drifts between reps
   on the slot KV cache, :func:`specdec.verify.verify_rows`, rollback) against a bare
   transformers step ``model(token, past_key_values=DynamicCache)`` + argmax;
 * drafting: :meth:`DraftModelProposer.propose` per draft token (greedy, with the top-4
-  candidates the speculation cache uses, KV resynchronisation included) against a bare
-  step of the draft model.
+  candidates the speculation cache uses, KV resynchronisation included; compiled: the
+  steps after the first in fused graphs, :mod:`specdec.draft_steps`) against a bare step
+  of the draft model.
 
 Each is measured for both execution modes (``eager``, ``torch_compile``: the runner's
 graphs, warmed up before the reps) and against two bare steps: eager, and gpt-fast's
@@ -102,9 +103,8 @@ def target_steps(runner: ModelRunner, prompt: list[int], steps: int) -> float:
     return median(times[2:])
 
 
-def draft_steps(runner: ModelRunner, prompt: list[int], rounds: int, k: int) -> float:
+def draft_steps(proposer: DraftModelProposer, prompt: list[int], rounds: int, k: int) -> float:
     """Median seconds per draft token of ``propose`` (k tokens, one accepted per round)."""
-    proposer = DraftModelProposer(runner)
     seq = SequenceState("seq", list(prompt), GREEDY)
     times = []
     for _ in range(rounds):
@@ -128,6 +128,13 @@ def run(args) -> dict:
         for model, path in paths.items()
         for mode in ("eager", "torch_compile")
     }
+    # The worker's proposers, their fused draft steps (compiled runners) built as a
+    # worker builds them, with the top-4 candidates.
+    proposers = {
+        mode: DraftModelProposer(runners["draft", mode]) for mode in ("eager", "torch_compile")
+    }
+    for proposer in proposers.values():
+        proposer.warm_up(4)
     warm_up_s = round(time.perf_counter() - started, 1)
     samples: dict[str, list[float]] = {
         f"{model}_{kind}": []
@@ -143,7 +150,7 @@ def run(args) -> dict:
                 samples[f"{model}_{kind}"].append(
                     target_steps(runner, prompt, 40)
                     if model == "target"
-                    else draft_steps(runner, prompt, 20, args.k)
+                    else draft_steps(proposers[mode], prompt, 20, args.k)
                 )
     ms = {name: round(median(v) * 1e3, 3) for name, v in samples.items()}
 

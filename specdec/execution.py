@@ -92,20 +92,22 @@ class PassShape:
 
 
 class CompiledForward:
-    """A model's forward compiled once per :class:`PassShape`, eager where that failed.
+    """A function compiled once per shape, eager where that failed: a model's forward per
+    :class:`PassShape`, or a round's fused draft steps (:mod:`specdec.draft_steps`) per
+    :class:`~specdec.draft_steps.StepsShape`.
 
-    Call it with the shape, the tensors whose sizes vary between passes of that shape
+    Call it with the shape, the tensors whose sizes vary between calls of that shape
     (``dynamic``: tensor and dims, marked dynamic on the way in: rows, queries, keys) and
-    the model's keyword arguments."""
+    the function's keyword arguments."""
 
-    def __init__(self, model: torch.nn.Module, name: str):
+    def __init__(self, fn, name: str):
         self.name = name
-        self._eager = model.forward
+        self._eager = fn
         # fullgraph: a graph break is a failure (then eager for that shape), not a silent
         # split into pieces with Python between them.
-        self._compiled = torch.compile(model.forward, fullgraph=True)
-        self.compile_seconds: dict[PassShape, float] = {}  # shape -> first call's time [s]
-        self.eager_shapes: set[PassShape] = set()  # shapes whose graph failed or went stale
+        self._compiled = torch.compile(fn, fullgraph=True)
+        self.compile_seconds: dict = {}  # shape -> first call's time [s]
+        self.eager_shapes: set = set()  # shapes whose graph failed or went stale
         # Once warm (freeze), a pass whose graph's guards fail never compiles in a request
         # (seconds that would stall every row of the batch): its shape goes eager, logged.
         self.frozen = False
@@ -115,9 +117,7 @@ class CompiledForward:
         """No more compiling: called after the warm-up has built every shape's graph."""
         self.frozen = True
 
-    def __call__(
-        self, shape: PassShape, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], **kwargs
-    ):
+    def __call__(self, shape, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], **kwargs):
         if shape in self.eager_shapes:
             return self._eager(**kwargs)
         for tensor, dims in dynamic:

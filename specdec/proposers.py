@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.draft_steps import FusedDraftSteps, chunk_sizes
+from specdec.execution import TORCH_COMPILE
 from specdec.low_rank import LowRankUpdate
 from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import dequantize_q, quantize_q
@@ -110,6 +112,20 @@ class DraftModelProposer(Proposer):
         self.limit_vocab(vocab_limit)
         self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
         self.weights_version = 0  # weights loaded since construction (load_weights)
+        # A compiled draft runs the steps after a round's first in graphs of several
+        # (greedy batches; specdec.draft_steps), else step by step.
+        self.fused = (
+            FusedDraftSteps(runner, str(runner.config.name_or_path or "draft"))
+            if runner.execution_mode == TORCH_COMPILE
+            else None
+        )
+
+    def warm_up(self, top_m: int) -> dict[str, float]:
+        """Build the fused draft steps' graphs for proposals with ``top_m`` candidates
+        (nothing when the runner is eager); seconds per graph, by name."""
+        if self.fused is None:
+            return {}
+        return {str(shape): round(s, 2) for shape, s in self.fused.warm_up(top_m).items()}
 
     def limit_vocab(self, vocab_limit: int | None) -> None:
         """Propose only ids below ``vocab_limit`` (None: every row of the draft's head)."""
@@ -202,12 +218,19 @@ class DraftModelProposer(Proposer):
         ``draft_probs`` holds the sampled rows only (``probs_rows``; :meth:`Proposal.q`).
         """
         run = self._start(seqs, k, top_m)
-        for i in range(k):
+        chunks = self._fused_chunks(run)  # graphs for steps 1..k-1, or None: step by step
+        i = 0
+        while i < k:
             if should_stop is not None and should_stop():
                 if run.steps:
                     self._read_drafts(run)  # what was fed stays cached
                 return None
-            if not self._step(run, i) or self._all_stopped(run, i):
+            if i == 0 or chunks is None:
+                self._step(run, i)
+                i += 1
+            else:
+                i += self._fused_step(run, i, chunks.pop(0))
+            if self._all_stopped(run, i - 1):
                 break
         counts, drafts = self._read_drafts(run)
         return Proposal(
@@ -221,6 +244,37 @@ class DraftModelProposer(Proposer):
             host_num_draft_tokens=counts,
             host_draft_token_ids=drafts,
         )
+
+    def _fused_chunks(self, run: _Drafting) -> list[int] | None:
+        """The fused graphs' sizes for steps 1..k-1 of this proposal, or None where it
+        runs step by step (an eager runner; a sampled row, or one whose penalties need its
+        drafts on the host)."""
+        if self.fused is None or run.probs_rows or run.history or run.k < 2:
+            return None
+        ascending = self.stop_early and self.min_confidence > 0
+        return chunk_sizes(run.k - 1, ascending, self.fused.sizes)
+
+    def _fused_step(self, run: _Drafting, i: int, steps: int) -> int:
+        """Draft positions ``i .. i + steps - 1`` of every row in one graph (fed the
+        drafts of step ``i - 1`` on the device); returns ``steps``."""
+        out = self.fused.run(
+            run.ids,
+            run.draft[:, i - 1],
+            steps=steps,
+            first_step=i,
+            num_draft_tokens=run.counts,
+            k=run.k,
+            vocab_limit=self.vocab_limit,
+            min_confidence=self.min_confidence,
+            top_m=run.top_m,
+        )
+        run.draft[:, i : i + steps] = out.draft_token_ids
+        if run.top_m:
+            run.top_ids[:, i : i + steps] = out.top_token_ids
+            run.top_p[:, i : i + steps] = out.top_probs
+        run.counts = out.num_draft_tokens
+        run.steps = i + steps
+        return steps
 
     def _all_stopped(self, run: _Drafting, i: int) -> bool:
         """With ``stop_early``: whether the confidence stop has ended every row by step

@@ -164,7 +164,7 @@ class ModelRunner:
                 name,
             )
             return None
-        return CompiledForward(self.model, name)
+        return CompiledForward(self.model.forward, name)
 
     @property
     def execution_mode(self) -> str:
@@ -601,6 +601,62 @@ class ModelRunner:
             self.cache.layout = None
         return self._commit(seq_ids, plan, out.logits, last_only)
 
+    # ----- one-token passes inside a fused graph (specdec.draft_steps) -------------------
+
+    def step_rows(self, seq_ids: Sequence[Hashable], steps: int) -> StepRows:
+        """Where ``steps`` one-token passes of these rows go, in the caller's row order:
+        each row's slot and next position, and the keys of the first pass. Refuses steps
+        that would carry a row past ``max_model_len`` (as :meth:`forward_padded` does)."""
+        slots = [self.slots.slot(sid) for sid in seq_ids]
+        starts = [self.slots.length_of_slot(s) for s in slots]
+        if max(starts) + steps > self.max_model_len:
+            raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
+        dev, host = self.device, torch.device("cpu")
+        return StepRows(
+            slots=torch.tensor(slots, dtype=torch.long, device=host).to(dev),
+            positions=torch.tensor(starts, dtype=torch.long, device=host).to(dev)[:, None],
+            kv_range=torch.arange(max(starts) + 1, device=dev),
+        )
+
+    def step_logits(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_range: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per row through the model, written to the rows' slots: traced inside a
+        fused graph, so it reads no Python value that changes between rounds (the cache's
+        layout is set here and must be cleared by the caller, outside the graph).
+
+        tokens: [batch] int64; positions: [batch, 1] int64 where each goes; slots:
+        [batch] int64; kv_range: [kv_len] int64 arange, keys every row is given (each
+        reads only up to its own position). Returns ``[batch, vocab]`` float32 logits."""
+        ids = tokens[:, None]  # [batch, 1]
+        if self.vocab_size > self.input_vocab_size:  # an id with no embedding row: fed as 0
+            ids = torch.where(ids < self.input_vocab_size, ids, torch.zeros_like(ids))
+        self.cache.layout = BatchLayout(slots, positions, kv_range, None, None)
+        # (compiled runners attend by rows: a mask per row, built in the graph)
+        spans = RowSpans(self.attention, positions, kv_range, False, True)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=self.cache,
+            attention_mask=spans.model_mask(),
+            use_cache=True,
+            **{ROW_SPANS_KWARG: spans},
+        )
+        return out.logits[:, -1].float()
+
+    def advance(self, seq_ids: Sequence[Hashable], steps: int) -> None:
+        """Record ``steps`` more cached positions per row (after :meth:`step_logits` passes)."""
+        for sid in seq_ids:
+            self.slots.set_length(sid, self.slots.length(sid) + steps)
+
+    def end_steps(self) -> None:
+        """Clear the layout a fused graph's passes left on the cache."""
+        self.cache.layout = None
+
     def _pass_inputs(
         self, plan: _RowPlan, token_ids: Sequence[Sequence[int]] | torch.Tensor, compiled: bool
     ) -> _PassInputs:
@@ -823,6 +879,16 @@ def _context_limit(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
+
+
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """Rows of a fused graph's one-token passes (:meth:`ModelRunner.step_rows`), in the
+    caller's order, on the model's device."""
+
+    slots: torch.Tensor  # [batch] int64 each row's KV slot
+    positions: torch.Tensor  # [batch, 1] int64 where each row's next token goes
+    kv_range: torch.Tensor  # [kv_len] int64 arange: the first pass's keys (longest row + 1)
 
 
 @dataclass(frozen=True, slots=True)

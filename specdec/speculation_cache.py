@@ -101,6 +101,11 @@ class SpeculativeDrafter:
         self.hits = 0
         self.misses = 0
 
+    def warm_up(self) -> dict[str, float]:
+        """Build the proposer's fused draft steps for this drafter's top-m proposals (at
+        startup, before any request; nothing when the draft runs eagerly)."""
+        return self.proposer.warm_up(self.top_m)
+
     @property
     def max_model_len(self) -> int:
         return self.proposer.runner.max_model_len

@@ -397,10 +397,13 @@ class EngineCore:
                 self._out_cv.notify_all()
 
     def _warm_up(self) -> None:
-        """Compile the target's graphs, and a colocated draft's, before the first round
-        (an error here is the loop's: the core fails, /health says so)."""
+        """Compile the target's graphs, and a colocated draft's (its fused draft steps
+        too), before the first round (an error here is the loop's: the core fails,
+        /health says so)."""
         for name, runner in (("target", self.runner), ("draft", self.draft_runner)):
             seconds = warm_up(runner) if runner is not None else {}
+            if name == "draft" and isinstance(self.link, ColocatedDraftLink):
+                seconds.update(self.link.rounds.drafter.warm_up())
             if seconds:  # (nothing when eager)
                 self.compile_seconds[name] = seconds
         self.warming = False

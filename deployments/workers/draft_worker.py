@@ -68,6 +68,7 @@ class DraftWorker:
             DraftModelProposer(self.runner, config.min_confidence),
             main_slots=min(max_num_seqs, self.runner.max_num_seqs),
         )
+        self.compile_seconds.update(self.drafter.warm_up())  # the fused draft steps
         self.rounds = DraftRounds(self.drafter)  # messages applied as a colocated draft does
         self.overlap = config.overlap and width > 0
         self.width = SpeculationWidth(

@@ -50,6 +50,7 @@ def run_rounds(target: ModelRunner, draft: ModelRunner, steps: int, seed: int) -
     row subsets (out of slot order), k from 0 to 6, greedy, sampled and seeded rows mixed,
     random acceptance and rollbacks; every sequence freed at the end."""
     proposer = DraftModelProposer(draft, min_confidence=0.3)
+    proposer.fused = None  # the runner's graphs alone (fused steps: test_draft_steps.py)
     rng = random.Random(seed)
     kinds = [
         SamplingParams(temperature=0.0),
@@ -210,6 +211,10 @@ def test_compiled_family_greedy_equals_generate(name, family_models, device):
     proposer = DraftModelProposer(
         draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
     )
+    # Drafting step by step: which drafts are proposed never changes the output, and the
+    # fused draft steps (6 graphs more per family) have their own tests, which compare
+    # their drafts with step-by-step drafting (test_draft_steps.py).
+    proposer.fused = None
     hf = AutoModelForCausalLM.from_pretrained(target_dir).to(device)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     accepted = 0

@@ -1,0 +1,237 @@
+"""A round's draft steps after its first as compiled graphs of several steps each.
+
+Why: a small draft's step is mostly the cost of calling it. On the demo draft (one layer,
+one thread, this repository's CPU machines) a compiled call costs about 0.75 ms before its
+first kernel (guards on thousands of module attributes, the graph's wrappers) and each
+step inside it about 0.25 ms; the runner's Python around a pass (rows, positions, layout,
+the logits' commit) and the proposer's after it (top-m, confidence) add 0.3-0.5 ms more.
+So :meth:`specdec.proposers.DraftModelProposer.propose` runs its first step (the
+committed tokens not yet fed, often several) as an ordinary pass, and the steps after it,
+one token per row fed from the step before, as graphs of 1, 2 or 4 steps: the model, the
+argmax or top-m, the draft's own probabilities and the confidence stop, never returning
+to Python between steps. Greedy rows only: a sampled row draws from its request's
+generator, which a graph cannot hold (such batches run step by step, as before).
+
+Graphs are kept per :class:`StepsShape` (one row or several; steps; top-m) and built by
+:meth:`FusedDraftSteps.warm_up` at startup; the sizes that vary (rows, keys) are dynamic,
+and everything else a round changes (positions, slots, how many tokens each row may
+draft, the ids the draft may propose, the confidence threshold) is a tensor, so no round
+recompiles (``tests/specdec/test_compiled.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.execution import CompiledForward
+from specdec.row_attention import sdpa_backends
+from specdec.runner import ModelRunner
+
+logger = logging.getLogger("specserve.execution")
+
+# Steps one graph runs. Each size is a graph per row shape; a graph of n steps takes about
+# n times as long to compile as one step (6-16 s each here, cold), so sizes stay few.
+CHUNK_SIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True, slots=True)
+class StepsShape:
+    """Which fused graph runs: the sizes and settings it is specialised on."""
+
+    single_row: bool  # batch == 1
+    steps: int  # one-token passes in the graph
+    top_m: int  # likeliest tokens recorded per step (0: argmax only)
+
+    def __str__(self) -> str:
+        rows = "1 row" if self.single_row else "rows"
+        return f"{rows} x {self.steps} draft steps (top {self.top_m})"
+
+
+@dataclass(frozen=True, slots=True)
+class FusedSteps:
+    """What a graph of ``steps`` draft steps returns, on the draft's device."""
+
+    draft_token_ids: torch.Tensor  # [batch, steps] int64
+    top_token_ids: torch.Tensor | None  # [batch, steps, top_m] int64 (None: top_m 0)
+    top_probs: torch.Tensor | None  # [batch, steps, top_m] float32 raw probabilities
+    num_draft_tokens: torch.Tensor  # [batch] int64 each row's count after these steps
+
+
+def chunk_sizes(remaining: int, ascending: bool, sizes: tuple[int, ...] = CHUNK_SIZES) -> list[int]:
+    """The graphs (of ``sizes`` steps: ascending, 1 first) that run ``remaining`` steps,
+    in order: the largest that fits each time, or, ``ascending`` (where drafting ends once
+    the confidence stop has ended every row, checked between graphs), 1, 2, 4, 4, ... so
+    that a round whose rows all stop early runs few steps past the stop."""
+    chunks: list[int] = []
+    while remaining > 0:
+        fits = [s for s in sizes if s <= remaining]
+        size = fits[-1]
+        if ascending:
+            size = min(size, sizes[min(len(chunks), len(sizes) - 1)])
+        chunks.append(size)
+        remaining -= size
+    return chunks
+
+
+class FusedDraftSteps:
+    """A compiled draft runner's one-token steps, several per graph (module docstring)."""
+
+    def __init__(self, runner: ModelRunner, name: str, sizes: tuple[int, ...] = CHUNK_SIZES):
+        if not sizes or sizes[0] != 1 or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"sizes must ascend from 1 without repeats, got {sizes}")
+        self.runner = runner
+        self.sizes = sizes  # steps per graph
+        self._graphs = CompiledForward(self._steps, f"{name} draft steps")
+        self._vocab = torch.arange(runner.vocab_size, device=runner.device)  # [vocab]
+
+    @property
+    def compile_seconds(self) -> dict[StepsShape, float]:
+        return dict(self._graphs.compile_seconds)
+
+    @property
+    def eager_shapes(self) -> set[StepsShape]:
+        return set(self._graphs.eager_shapes)
+
+    @torch.no_grad()  # (its graphs are traced and guarded without autograd)
+    def run(
+        self,
+        seq_ids: Sequence[Hashable],
+        tokens: torch.Tensor,
+        *,
+        steps: int,
+        first_step: int,
+        num_draft_tokens: torch.Tensor,
+        k: int,
+        vocab_limit: int,
+        min_confidence: float,
+        top_m: int,
+    ) -> FusedSteps:
+        """Draft positions ``first_step .. first_step + steps - 1`` of every row, the
+        first fed ``tokens`` (``[batch]``, the step before's drafts, on the device).
+
+        ``num_draft_tokens`` (``[batch]``): each row's count so far, ``k`` for a row the
+        confidence stop has not ended; a row whose token at position ``i`` has a raw
+        probability under ``min_confidence`` ends at ``i + 1``. Every row runs every step
+        (a stopped row's later drafts are never proposed). Only ids below ``vocab_limit``
+        are proposed. The rows' cached lengths advance by ``steps``."""
+        runner, dev = self.runner, self.runner.device
+        rows = runner.step_rows(seq_ids, steps)
+        shape = StepsShape(len(seq_ids) == 1, steps, top_m)
+        live = num_draft_tokens == k  # [batch] bool: rows the stop has not ended
+        kwargs = dict(
+            tokens=tokens.clone(memory_format=torch.contiguous_format),
+            positions=rows.positions,
+            slots=rows.slots,
+            kv_range=rows.kv_range,
+            counts=num_draft_tokens.clone(memory_format=torch.contiguous_format),
+            live=live,
+            first_step=torch.tensor(first_step, dtype=torch.long, device=dev),
+            vocab_limit=torch.tensor(vocab_limit, dtype=torch.long, device=dev),
+            min_confidence=torch.tensor(min_confidence, dtype=torch.float32, device=dev),
+            steps=steps,
+            top_m=top_m,
+        )
+        # Rows (one: specialised) and keys vary between calls of a graph.
+        batch_dims = () if shape.single_row else (0,)
+        dynamic = [(kwargs[name], batch_dims) for name in ("tokens", "slots", "counts", "live")]
+        dynamic += [(rows.positions, batch_dims), (rows.kv_range, (0,))]
+        try:
+            with sdpa_backends(dev):
+                drafts, top_ids, top_p, counts = self._graphs(shape, dynamic, **kwargs)
+        finally:
+            runner.end_steps()
+        runner.advance(seq_ids, steps)
+        if not top_m:
+            top_ids = top_p = None
+        return FusedSteps(drafts, top_ids, top_p, counts)
+
+    def _steps(
+        self,
+        tokens: torch.Tensor,  # [batch] int64: fed at the first step
+        positions: torch.Tensor,  # [batch, 1] int64: where the first step's tokens go
+        slots: torch.Tensor,  # [batch] int64
+        kv_range: torch.Tensor,  # [kv_len] int64: the first step's keys
+        counts: torch.Tensor,  # [batch] int64: drafts per row so far
+        live: torch.Tensor,  # [batch] bool: rows the confidence stop has not ended
+        first_step: torch.Tensor,  # [] int64: position in the round of the first step
+        vocab_limit: torch.Tensor,  # [] int64: ids at or past it are never proposed
+        min_confidence: torch.Tensor,  # [] float32
+        steps: int,
+        top_m: int,
+    ):
+        """The traced body: ``steps`` passes, each fed the argmax of the one before."""
+        drafts, top_ids, top_p = [], [], []
+        for j in range(steps):
+            keys = torch.arange(kv_range.shape[0] + j, device=kv_range.device)
+            logits = self.runner.step_logits(tokens, positions + j, slots, keys)  # [batch, V]
+            logits = logits.masked_fill(self._vocab >= vocab_limit, float("-inf"))
+            lse = logits.logsumexp(dim=-1, keepdim=True)  # [batch, 1]
+            if top_m:  # the likeliest token heads the top-m, as in the step-by-step path
+                values, index = logits.topk(top_m, dim=-1)  # [batch, m]
+                top_ids.append(index)
+                top_p.append((values - lse).exp())
+                tokens = index[:, 0]
+            else:
+                tokens = logits.argmax(dim=-1)
+            drafts.append(tokens)
+            # The confidence stop, as DraftModelProposer._confidence_stop decides it.
+            conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp()  # [batch]
+            stop = live & (conf < min_confidence)
+            counts = torch.where(stop, first_step + (j + 1), counts)
+            live = live & ~stop
+        drafts_t = torch.stack(drafts, dim=1)  # [batch, steps]
+        if not top_m:
+            return drafts_t, drafts_t, drafts_t, counts  # (placeholders: dropped by run)
+        return drafts_t, torch.stack(top_ids, dim=1), torch.stack(top_p, dim=1), counts
+
+    @torch.no_grad()
+    def warm_up(self, top_m: int) -> dict[StepsShape, float]:
+        """Build every graph a round can need (each chunk size, for one row and, where
+        two slots are free, for several), on scratch sequences freed after; then freeze
+        (a call that would need another graph runs eagerly, logged). Returns the seconds
+        each graph took."""
+        runner = self.runner
+        free = runner.num_free_slots
+        if free == 0 or runner.max_model_len < 2 * max(self.sizes) + 4:
+            return {}
+        ids = ["fused-warm-up-0", "fused-warm-up-1"][: min(2, free)]
+        started = time.perf_counter()
+        for sid in ids:
+            runner.add(sid)
+        try:
+            runner.forward_padded(ids, [[0, 0, 0]] * len(ids), last_only=True)
+            for batch in range(1, len(ids) + 1):
+                rows = ids[:batch]
+                tokens = torch.zeros(batch, dtype=torch.long, device=runner.device)
+                counts = torch.full_like(tokens, max(self.sizes) + 1)
+                for size in self.sizes:
+                    length = [runner.length(sid) for sid in rows]
+                    self.run(
+                        rows,
+                        tokens,
+                        steps=size,
+                        first_step=1,
+                        num_draft_tokens=counts,
+                        k=max(self.sizes) + 1,
+                        vocab_limit=runner.vocab_size,
+                        min_confidence=0.0,
+                        top_m=top_m,
+                    )
+                    for sid, n in zip(rows, length, strict=True):
+                        runner.rollback(sid, n)
+        finally:
+            runner.end_steps()
+            for sid in ids:
+                runner.free(sid)
+        self._graphs.freeze()
+        logger.info(
+            "%s: fused draft steps ready in %.1f s",
+            self._graphs.name,
+            time.perf_counter() - started,
+        )
+        return self.compile_seconds
