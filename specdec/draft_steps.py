@@ -10,13 +10,15 @@ committed tokens not yet fed, often several) as an ordinary pass, and the steps 
 one token per row fed from the step before, as graphs of 1, 2 or 4 steps: the model, the
 argmax or top-m, the draft's own probabilities and the confidence stop, never returning
 to Python between steps. Greedy rows only: a sampled row draws from its request's
-generator, which a graph cannot hold (such batches run step by step, as before).
+generator, which a graph cannot hold, and a row with penalties or ``min_tokens`` needs its
+drafts on the host each step (such batches run step by step, as before).
 
 Graphs are kept per :class:`StepsShape` (one row or several; steps; top-m) and built by
 :meth:`FusedDraftSteps.warm_up` at startup; the sizes that vary (rows, keys) are dynamic,
 and everything else a round changes (positions, slots, how many tokens each row may
 draft, the ids the draft may propose, the confidence threshold) is a tensor, so no round
-recompiles (``tests/specdec/test_compiled.py``).
+recompiles (``tests/specdec/test_draft_steps.py``). A graph that runs eagerly (it failed to
+compile, or missed its guards once warm) is drafted step by step instead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ logger = logging.getLogger("specserve.execution")
 # Steps one graph runs. Each size is a graph per row shape; a graph of n steps takes about
 # n times as long to compile as one step (6-16 s each here, cold), so sizes stay few.
 CHUNK_SIZES = (1, 2, 4)
+# The largest graph for several rows: rows share each call's cost, so a graph of 4 (the
+# costliest to build: 32-40 s for the demo draft on a slow day here) saves them little.
+MAX_ROWS_STEPS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +86,23 @@ def chunk_sizes(remaining: int, ascending: bool, sizes: tuple[int, ...] = CHUNK_
 class FusedDraftSteps:
     """A compiled draft runner's one-token steps, several per graph (module docstring)."""
 
-    def __init__(self, runner: ModelRunner, name: str, sizes: tuple[int, ...] = CHUNK_SIZES):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        name: str,
+        sizes: tuple[int, ...] = CHUNK_SIZES,
+        max_rows_steps: int = MAX_ROWS_STEPS,
+    ):
         if not sizes or sizes[0] != 1 or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"sizes must ascend from 1 without repeats, got {sizes}")
         self.runner = runner
-        self.sizes = sizes  # steps per graph
+        self.sizes = sizes  # steps per graph of one row
+        self.rows_sizes = tuple(s for s in sizes if s <= max_rows_steps)  # of several rows
         self._graphs = CompiledForward(self._steps, f"{name} draft steps")
         self._vocab = torch.arange(runner.vocab_size, device=runner.device)  # [vocab]
+        # 0-d tensors of the scalars a call passes, made once each on the device (a copy
+        # from the host per call would wait for the device's queue on an accelerator).
+        self._scalars: dict[tuple[str, float], torch.Tensor] = {}
 
     @property
     def compile_seconds(self) -> dict[StepsShape, float]:
@@ -96,6 +111,15 @@ class FusedDraftSteps:
     @property
     def eager_shapes(self) -> set[StepsShape]:
         return set(self._graphs.eager_shapes)
+
+    def sizes_for(self, batch: int) -> tuple[int, ...]:
+        """Steps per graph for a batch of ``batch`` rows."""
+        return self.sizes if batch == 1 else self.rows_sizes
+
+    def is_eager(self, single_row: bool, steps: int, top_m: int) -> bool:
+        """Whether that graph runs eagerly (its compile failed, or it missed its guards
+        once warm): callers then draft those steps one by one instead."""
+        return StepsShape(single_row, steps, top_m) in self._graphs.eager_shapes
 
     @torch.no_grad()  # (its graphs are traced and guarded without autograd)
     def run(
@@ -130,9 +154,9 @@ class FusedDraftSteps:
             kv_range=rows.kv_range,
             counts=num_draft_tokens.clone(memory_format=torch.contiguous_format),
             live=live,
-            first_step=torch.tensor(first_step, dtype=torch.long, device=dev),
-            vocab_limit=torch.tensor(vocab_limit, dtype=torch.long, device=dev),
-            min_confidence=torch.tensor(min_confidence, dtype=torch.float32, device=dev),
+            first_step=self._scalar("first_step", first_step, torch.long),
+            vocab_limit=self._scalar("vocab_limit", vocab_limit, torch.long),
+            min_confidence=self._scalar("min_confidence", min_confidence, torch.float32),
             steps=steps,
             top_m=top_m,
         )
@@ -149,6 +173,12 @@ class FusedDraftSteps:
         if not top_m:
             top_ids = top_p = None
         return FusedSteps(drafts, top_ids, top_p, counts)
+
+    def _scalar(self, name: str, value: float, dtype: torch.dtype) -> torch.Tensor:
+        key = (name, value)
+        if key not in self._scalars:
+            self._scalars[key] = torch.tensor(value, dtype=dtype, device=self.runner.device)
+        return self._scalars[key]
 
     def _steps(
         self,
@@ -191,13 +221,14 @@ class FusedDraftSteps:
 
     @torch.no_grad()
     def warm_up(self, top_m: int) -> dict[StepsShape, float]:
-        """Build every graph a round can need (each chunk size, for one row and, where
-        two slots are free, for several), on scratch sequences freed after; then freeze
+        """Build every graph a round can need (each size for one row and, where two slots
+        are free, :attr:`rows_sizes` for several), on scratch sequences freed after; then freeze
         (a call that would need another graph runs eagerly, logged). Returns the seconds
         each graph took."""
         runner = self.runner
         free = runner.num_free_slots
         if free == 0 or runner.max_model_len < 2 * max(self.sizes) + 4:
+            self._graphs.freeze()  # (nothing compiles in a request: those graphs go eager)
             return {}
         ids = ["fused-warm-up-0", "fused-warm-up-1"][: min(2, free)]
         started = time.perf_counter()
@@ -209,7 +240,7 @@ class FusedDraftSteps:
                 rows = ids[:batch]
                 tokens = torch.zeros(batch, dtype=torch.long, device=runner.device)
                 counts = torch.full_like(tokens, max(self.sizes) + 1)
-                for size in self.sizes:
+                for size in self.sizes_for(batch):
                     length = [runner.length(sid) for sid in rows]
                     self.run(
                         rows,

@@ -211,8 +211,9 @@ class DraftModelProposer(Proposer):
         ``num_draft_tokens``); with ``top_m``, also the draft's ``top_m`` likeliest tokens
         at each position (for guessing verification outcomes).
 
-        ``should_stop`` is checked before each draft step; when it says so, drafting ends
-        and None is returned (the caches keep what was fed and resynchronise next time).
+        ``should_stop`` is checked before each draft step (or graph of fused steps, up to
+        4); when it says so, drafting ends and None is returned (the caches keep what was
+        fed and resynchronise next time).
 
         Greedy rows take the argmax and carry no ``q`` (argmax matching needs none):
         ``draft_probs`` holds the sampled rows only (``probs_rows``; :meth:`Proposal.q`).
@@ -252,11 +253,20 @@ class DraftModelProposer(Proposer):
         if self.fused is None or run.probs_rows or run.history or run.k < 2:
             return None
         ascending = self.stop_early and self.min_confidence > 0
-        return chunk_sizes(run.k - 1, ascending, self.fused.sizes)
+        return chunk_sizes(run.k - 1, ascending, self.fused.sizes_for(len(run.ids)))
 
     def _fused_step(self, run: _Drafting, i: int, steps: int) -> int:
         """Draft positions ``i .. i + steps - 1`` of every row in one graph (fed the
-        drafts of step ``i - 1`` on the device); returns ``steps``."""
+        drafts of step ``i - 1`` on the device), or step by step where that graph runs
+        eagerly (it failed to compile, or missed its guards once warm: one eager pass per
+        step would cost more than the runner's compiled one) or where a row has fewer
+        than ``steps`` positions left (a step refuses just the one past the limit, as
+        without fused steps); returns ``steps``."""
+        room = self.runner.max_model_len - max(self.runner.length(sid) for sid in run.ids)
+        if steps > room or self.fused.is_eager(len(run.ids) == 1, steps, run.top_m):
+            for j in range(i, i + steps):
+                self._step(run, j)
+            return steps
         out = self.fused.run(
             run.ids,
             run.draft[:, i - 1],

@@ -49,7 +49,8 @@ class DraftWorker:
     thread: first the rows whose drafts were not prepared ahead are drafted and pushed
     (the core may be waiting for them), then the likeliest outcomes of the round now
     being verified are drafted and pushed. A newer message stops that speculation at the
-    next draft step: once the outcome is known, unfinished branches are worthless.
+    next draft step (or graph of up to 4 fused steps): once the outcome is known,
+    unfinished branches are worthless.
     """
 
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1}

@@ -75,7 +75,11 @@ def test_requests_during_warm_up_wait_and_match_eager(tiny_target, tiny_draft):
         core.stop()
     assert health["warming"] is False and health["error"] is None
     assert set(health["compile_seconds"]) == {"target", "draft"}
-    assert all(len(shapes) == 4 for shapes in health["compile_seconds"].values())
+    graphs = health["compile_seconds"]
+    assert len(graphs["target"]) == 4  # its pass shapes
+    # the draft's pass shapes, and its fused draft steps (1, 2, 4 for one row; 1, 2 rows)
+    assert len(graphs["draft"]) == 4 + 5
+    assert sum("draft steps" in name for name in graphs["draft"]) == 5
     assert all(len(t) == GREEDY.max_tokens for t in got.values())
     # (pinned to one core, as a worker's cpu_affinity asks: the same tokens)
     core = sorted(os.sched_getaffinity(0))[-1]

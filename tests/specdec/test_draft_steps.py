@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from specdec.draft_steps import CHUNK_SIZES, FusedDraftSteps, StepsShape, chunk_sizes
 from specdec.proposers import DraftModelProposer
@@ -45,25 +46,29 @@ def _clear(prop, row: int) -> int:
 
 # Families whose one-token passes differ: grouped-query heads with rope scaling, a window
 # the contexts cross, learned positions (each family's graphs take ~40 s to build here),
-# with a confidence stop that ends some rows early and not all at once (OPT's tiny random
-# draft spreads its probability over 50k ids: it is never 2 % sure).
-FUSED_FAMILIES = {"llama3": 0.02, "mistral": 0.02, "opt": 2e-5}
+# each with a confidence stop near the 20th percentile of its draft's top probability
+# (measured: 0.03-0.5 for Llama 3's, 0.06-0.93 for Mistral's), so that rows stop early but
+# not all at once; OPT's spreads itself over 50k ids (5e-4-5e-3, and its near-ties leave
+# few rows whose stop can be compared): its threshold only keeps the stop in the graph.
+FUSED_FAMILIES = {"llama3": 0.08, "mistral": 0.12, "opt": 2e-5}
 
 
 @pytest.mark.parametrize(("name", "min_confidence"), FUSED_FAMILIES.items())
 def test_fused_steps_propose_what_step_by_step_proposes(
     name, min_confidence, family_models, device
 ):
-    """Rounds at batch 1 and of ragged rows, k from 1 to 7, the confidence stop on, top-4
-    candidates: the compiled draft with fused steps (warm, frozen, no recompiles) and the
-    eager draft step by step propose the same tokens, counts and candidates' probabilities
-    (up to a near-tie, where two correct kernels may differ)."""
+    """Rounds at batch 1 and of ragged rows (3 rows in an order other than their slots'),
+    k from 1 to 7, the confidence stop on, top-4 candidates, half the ids out of bounds:
+    the compiled draft with fused steps (warm, frozen, no recompiles) and the eager draft
+    step by step propose the same tokens, counts and candidates' probabilities (up to a
+    near-tie, where two correct kernels may differ), and their caches hold what each
+    proposer says they hold."""
     _, draft_dir, _ = family_models[name]
     kw = dict(max_num_seqs=6, max_model_len=256, device=device)
     compiled = ModelRunner(draft_dir, execution_mode="torch_compile", **kw)
     compiled.warm_up()
     eager = ModelRunner(draft_dir, **kw)
-    limit = compiled.vocab_size - 7  # ids past it are never proposed
+    limit = compiled.vocab_size // 2  # ids at or past it are never proposed
     fused = DraftModelProposer(compiled, min_confidence=min_confidence, vocab_limit=limit)
     assert fused.fused is not None
     fused.fused = FusedDraftSteps(compiled, name, sizes=(1, 2))  # (fewer graphs to build)
@@ -74,19 +79,25 @@ def test_fused_steps_propose_what_step_by_step_proposes(
     stepwise = DraftModelProposer(eager, min_confidence=min_confidence, vocab_limit=limit)
     assert stepwise.fused is None
     rng = random.Random(0)
-    rows = positions = fused_positions = 0  # compared whole, compared, fused of those
+    rows = positions = fused_positions = stops_in_fused = 0
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for batch in (1, 2):
+        for batch in (1, 2, 3):
             prompts = [[rng.randrange(3, 60) for _ in range(rng.randrange(14, 30))]]
-            prompts += [[rng.randrange(3, 60) for _ in range(5)]] * (batch - 1)
+            prompts += [[rng.randrange(3, 60) for _ in range(5 + i)] for i in range(batch - 1)]
             seqs = {
                 p: [SequenceState(f"{batch}-{i}", list(t), GREEDY) for i, t in enumerate(prompts)]
                 for p in ("fused", "stepwise")
             }
-            for _ in range(12):
+            for round_no in range(10):
                 k = rng.randint(1, 7)
-                a = fused.propose(seqs["fused"], k, top_m=4)
-                b = stepwise.propose(seqs["stepwise"], k, top_m=4)
+                # after the first round (which took slots in this order), another order
+                order = list(range(batch)) if round_no == 0 else rng.sample(range(batch), batch)
+                props = {}
+                for p, proposer in (("fused", fused), ("stepwise", stepwise)):
+                    props[p] = proposer.propose([seqs[p][i] for i in order], k, top_m=4)
+                    for s in seqs[p]:  # what the cache holds is what the proposer records
+                        assert proposer.runner.length(s.seq_id) == len(proposer._cached[s.seq_id])
+                a, b = props["fused"], props["stepwise"]
                 for row in range(batch):
                     n, clear = b.host_num_draft_tokens[row], _clear(b, row)
                     got = a.host_draft_token_ids[row][:clear]
@@ -97,32 +108,85 @@ def test_fused_steps_propose_what_step_by_step_proposes(
                     if clear == n:  # no tie decided where drafting stopped
                         assert a.host_num_draft_tokens[row] == n
                         rows += 1
+                        stops_in_fused += int(2 <= n < k)  # a count the graph set
                     positions += clear
                     fused_positions += max(0, clear - 1)  # past the first: fused steps
-                    assert max(a.host_draft_token_ids[row][:n]) < limit
+                    for prop in (a, b):  # no candidate at or past the limit
+                        assert int(prop.top_token_ids[row, :n].max()) < limit
                 # commit some drafts and a token of the target's, alike for both
-                for row in range(batch):
+                for row, i in enumerate(order):
                     n = b.host_num_draft_tokens[row]
                     keep = b.host_draft_token_ids[row][: rng.randint(0, n)]
                     token = rng.randrange(3, 60)
                     for p in ("fused", "stepwise"):
-                        seqs[p][row].output_token_ids.extend([*keep, token])
+                        seqs[p][i].output_token_ids.extend([*keep, token])
             for p, proposer in (("fused", fused), ("stepwise", stepwise)):
                 for s in seqs[p]:
                     proposer.free(s.seq_id)
-    # (of 36 rows: most were clear, and fused steps drafted many of their positions)
-    assert rows >= 18 and positions >= 40 and fused_positions >= 10, (
+    # (of 60 rows: most were clear, and fused steps drafted many of their positions)
+    assert rows >= 30 and positions >= 60 and fused_positions >= 15, (
         rows,
         positions,
         fused_positions,
     )
+    if name != "opt":
+        assert stops_in_fused >= 1  # a count set inside a graph, compared
     assert not fused.fused.eager_shapes and not compiled._compiled.eager_shapes
     assert compiled.num_seqs == 0
 
 
+def test_largest_graphs_first_a_stop_between_graphs_and_graphs_gone_eager(tiny_draft, device):
+    """The production sizes (1, 2, 4) largest first (no confidence stop: an accelerator's
+    schedule), argmax without candidates (top_m 0), one row, k up to 12: the same drafts
+    as the eager draft step by step. A ``should_stop`` that fires between two graphs ends
+    the proposal with None, and the next one drafts as step by step does. Graphs that miss
+    their guards once warm are drafted one step at a time from then on, alike."""
+    kw = dict(max_num_seqs=1, max_model_len=256, device=device)  # one slot: 1-row graphs
+    compiled = ModelRunner(tiny_draft, execution_mode="torch_compile", **kw)
+    compiled.warm_up()
+    fused = DraftModelProposer(compiled)
+    assert set(fused.warm_up(top_m=0)) == {str(StepsShape(True, n, 0)) for n in CHUNK_SIZES}
+    stepwise = DraftModelProposer(ModelRunner(tiny_draft, **kw))
+    seqs = [SequenceState("a", list(range(3, 20)), GREEDY) for _ in range(2)]
+    rng = random.Random(1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for k in (12, 7, 5, 3, 2, 1, 12):
+            a, b = fused.propose([seqs[0]], k), stepwise.propose([seqs[1]], k)
+            assert a.host_draft_token_ids == b.host_draft_token_ids, k
+            assert a.host_num_draft_tokens == b.host_num_draft_tokens == [k]
+            keep = b.host_draft_token_ids[0][: rng.randint(0, k)]
+            for s in seqs:
+                s.output_token_ids.extend([*keep, 9])
+        asked = iter([False, False, True])  # k = 12: step 0, graph of 4, then stop
+        assert fused.propose([seqs[0]], 12, should_stop=lambda: next(asked)) is None
+        assert compiled.length("a") == len(fused._cached["a"])
+        a, b = fused.propose([seqs[0]], 12), stepwise.propose([seqs[1]], 12)
+        assert a.host_draft_token_ids == b.host_draft_token_ids
+    assert not fused.fused.eager_shapes
+    # Under a function mode every warm graph misses its guards: that call runs them
+    # eagerly, the same drafts; from then on those steps are drafted one by one.
+    for s in seqs:
+        s.output_token_ids.extend([*b.host_draft_token_ids[0][:3], 9])
+    for _ in range(2):
+        with _PassThrough():
+            a, b = fused.propose([seqs[0]], 12), stepwise.propose([seqs[1]], 12)
+        assert a.host_draft_token_ids == b.host_draft_token_ids
+        assert fused.fused.is_eager(True, 4, 0)
+        for s in seqs:
+            s.output_token_ids.extend([*b.host_draft_token_ids[0][:3], 9])
+
+
+class _PassThrough(TorchFunctionMode):
+    """A function mode that changes nothing (as a profiler's or a counter's would)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_row_near_max_model_len_is_refused_as_step_by_step(tiny_draft, device):
-    """Fused steps that would run a row past max_model_len raise as a step would, and the
-    proposer's next call drafts from the committed tokens again."""
+    """Near max_model_len the steps that still fit are drafted (one by one where a graph
+    would not fit) and the one past it raises as a step would; the proposer's next call
+    drafts from the committed tokens again."""
     runner = ModelRunner(
         tiny_draft, execution_mode="torch_compile", max_num_seqs=2, max_model_len=24, device=device
     )
