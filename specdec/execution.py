@@ -42,10 +42,10 @@ EXECUTION_MODES = (EAGER, TORCH_COMPILE)
 # eager until CUDA graphs have been measured on a GPU (none has run this code).
 _DEFAULT_MODE = {"cpu": TORCH_COMPILE}
 
-# Graphs one compiled forward may hold: the shapes of :class:`PassShape` (4) for each model
-# in the process, with room to spare (torch's default, 8, is per code object, and the
-# target and a colocated draft of one family share their forward's code).
-_GRAPHS_PER_PROCESS = 64
+# Graphs one CompiledForward may hold (torch counts them per code object, and each
+# CompiledForward has a code object of its own: :func:`_own_code`): the shapes of
+# :class:`PassShape` (4) or of a draft's fused steps (6), with room to spare.
+_GRAPHS_PER_SET = 16
 
 
 def default_execution_mode(device_type: str) -> str:
@@ -105,7 +105,7 @@ class CompiledForward:
         self._eager = fn
         # fullgraph: a graph break is a failure (then eager for that shape), not a silent
         # split into pieces with Python between them.
-        self._compiled = torch.compile(fn, fullgraph=True)
+        self._compiled = torch.compile(_own_code(fn, name), fullgraph=True)
         self.compile_seconds: dict = {}  # shape -> first call's time [s]
         self.eager_shapes: set = set()  # shapes whose graph failed or went stale
         # Once warm (freeze), a pass whose graph's guards fail never compiles in a request
@@ -148,17 +148,36 @@ _COMPILE_ERRORS = (
 )
 
 
+def _own_code(fn, name: str):
+    """``fn`` behind a function whose code object no other caller shares.
+
+    Why: torch keeps compiled graphs, and their guards, on the code object of the function
+    it compiles. A model's ``forward`` (transformers wraps it) is one code object for every
+    model in the process, and a method is one for every instance: without this, a target's
+    and a colocated draft's graphs sit in one list that every pass searches in order, and
+    a process that builds many runners (the tests) fills torch's per-code limit, after
+    which new shapes go eager."""
+
+    def call(**kwargs):
+        return fn(**kwargs)
+
+    label = "".join(c if c.isalnum() else "_" for c in name)
+    call.__code__ = call.__code__.replace(co_name=f"compiled_{label}")
+    call.__name__ = call.__qualname__ = call.__code__.co_name
+    return call
+
+
 class _CompileSettings:
     """torch's tracing settings for these graphs, applied around each call (they take
     effect when a call compiles; nothing else in the process sees them):
 
-    - no automatic dynamic sizes: the sizes that vary are marked; a target and a draft of
-      one family share their forward's code, and the draft's other widths must give it
-      graphs of its own, not turn the target's widths into symbols;
+    - no automatic dynamic sizes: the sizes that vary are marked, and a size that is not
+      (a model's widths, a 1 of :class:`PassShape`) must never turn into a symbol because
+      a second call saw another;
     - no duck shaping: sizes equal when a graph is traced (a prefill from position 0 has
       as many queries as keys) stay separate symbols, so the graph does not assume they
       always are;
-    - room for every model's graphs under the one code object they share;
+    - room for all the shapes' graphs;
     - once ``frozen``, a recompile is an error (:class:`CompiledForward` then runs the
       shape eager).
 
@@ -174,7 +193,7 @@ class _CompileSettings:
         self._patches = (
             torch._dynamo.config.patch(
                 automatic_dynamic_shapes=False,
-                recompile_limit=_GRAPHS_PER_PROCESS,
+                recompile_limit=_GRAPHS_PER_SET,
                 error_on_recompile=frozen,
             ),
             fx_config.patch(use_duck_shape=False),

@@ -108,8 +108,13 @@ def test_costs_smallest(results, monkeypatch):
     assert payload["settings"]["reps"] == 1
     out = payload["results"]
     kinds = ("bare", "bare_compiled", "worker", "compiled")
-    assert set(out["ms_per_token"]) == {f"{m}_{k}" for m in ("target", "draft") for k in kinds}
-    assert {"target_compiled_vs_worker", "draft_compiled_vs_bare_compiled"} <= set(out["ratios"])
+    expected = {f"{m}_{k}" for m in ("target", "draft") for k in kinds}
+    assert set(out["ms_per_token"]) == expected | {"draft_compiled_stepwise"}
+    assert {
+        "target_compiled_vs_worker",
+        "draft_compiled_vs_bare_compiled",
+        "draft_compiled_vs_compiled_stepwise",
+    } <= set(out["ratios"])
     assert all(len(v) == 1 for v in out["samples_ms"].values())
     assert all(x > 0 for x in numbers(out))
 
