@@ -1,17 +1,19 @@
-"""A round's draft steps after its first as compiled graphs of several steps each.
+"""A round's one-token draft steps as compiled graphs of several steps each.
 
 Why: a small draft's step is mostly the cost of calling it. On the demo draft (one layer,
 one thread, this repository's CPU machines) a compiled call costs about 0.75 ms before its
 first kernel (guards on thousands of module attributes, the graph's wrappers) and each
 step inside it about 0.25 ms; the runner's Python around a pass (rows, positions, layout,
 the logits' commit) and the proposer's after it (top-m, confidence) add 0.3-0.5 ms more.
-So :meth:`specdec.proposers.DraftModelProposer.propose` runs its first step (the
-committed tokens not yet fed, often several) as an ordinary pass, and the steps after it,
-one token per row fed from the step before, as graphs of 1, 2 or 4 steps: the model, the
-argmax or top-m, the draft's own probabilities and the confidence stop, never returning
-to Python between steps. Greedy rows only: a sampled row draws from its request's
-generator, which a graph cannot hold, and a row with penalties or ``min_tokens`` needs its
-drafts on the host each step (such batches run step by step, as before).
+So :meth:`specdec.proposers.DraftModelProposer.propose` runs a round's steps, each
+feeding one token per row (the step before's draft, or at the first step the one
+committed token the draft has not seen: the usual round), as graphs of 1, 2 or 4 steps:
+the model, the argmax or top-m, the draft's own probabilities and the confidence stop,
+never returning to Python between steps. A first step that feeds several committed
+tokens (a new row's prompt; a round that accepted every draft) stays an ordinary pass.
+Greedy rows only: a sampled row draws from its request's generator, which a graph cannot
+hold, and a row with penalties or ``min_tokens`` needs its drafts on the host each step
+(such batches run step by step, as before).
 
 Graphs are kept per :class:`StepsShape` (one row or several; steps; top-m) and built by
 :meth:`FusedDraftSteps.warm_up` at startup; the sizes that vary (rows, keys) are dynamic,
@@ -67,6 +69,36 @@ class FusedSteps:
     num_draft_tokens: torch.Tensor  # [batch] int64 each row's count after these steps
 
 
+def top_candidates(
+    logits: torch.Tensor, m: int, lse: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``m`` likeliest tokens of ``[batch, vocab]`` logits (``[batch, m]`` ids, the
+    likeliest first) and their probabilities (``lse``: the logits' ``logsumexp`` over the
+    vocabulary, ``[batch, 1]``, when the caller has it)."""
+    values, index = logits.topk(m, dim=-1)  # [batch, m]
+    if lse is None:
+        lse = logits.logsumexp(dim=-1, keepdim=True)
+    return index, (values - lse).exp()
+
+
+def confidence_stop(
+    counts: torch.Tensor,  # [batch] int64 drafts per row
+    live: torch.Tensor,  # [batch] bool rows the stop has not ended
+    logits: torch.Tensor,  # [batch, vocab] the step's logits
+    lse: torch.Tensor,  # [batch, 1] their logsumexp
+    tokens: torch.Tensor,  # [batch] int64 the step's drafts
+    min_confidence: float | torch.Tensor,
+    count: int | torch.Tensor,  # the count a row stopped at this step gets (step + 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The confidence stop, decided on the device: a live row whose draft the draft itself
+    gave less than ``min_confidence`` ends here (that token is still proposed), its count
+    set to ``count``. Returns the new counts and live flags. Both drafting paths (step by
+    step, fused) decide by this one rule, so they propose the same counts."""
+    conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp()  # [batch] raw probability
+    stop = live & (conf < min_confidence)
+    return torch.where(stop, count, counts), live & ~stop
+
+
 def chunk_sizes(remaining: int, ascending: bool, sizes: tuple[int, ...] = CHUNK_SIZES) -> list[int]:
     """The graphs (of ``sizes`` steps: ascending, 1 first) that run ``remaining`` steps,
     in order: the largest that fits each time, or, ``ascending`` (where drafting ends once
@@ -116,10 +148,20 @@ class FusedDraftSteps:
         """Steps per graph for a batch of ``batch`` rows."""
         return self.sizes if batch == 1 else self.rows_sizes
 
-    def is_eager(self, single_row: bool, steps: int, top_m: int) -> bool:
-        """Whether that graph runs eagerly (its compile failed, or it missed its guards
-        once warm): callers then draft those steps one by one instead."""
-        return StepsShape(single_row, steps, top_m) in self._graphs.eager_shapes
+    def can_run(self, seq_ids: Sequence[Hashable], steps: int, top_m: int) -> bool:
+        """Whether a graph of ``steps`` steps should draft these rows: not where it runs
+        eagerly (its compile failed, or it missed its guards once warm: one eager pass per
+        step costs more than the runner's compiled one), where a row has fewer than
+        ``steps`` positions left before ``max_model_len`` (a step refuses just the one
+        past the limit), or where no row has a cached token yet. Callers draft those
+        steps one by one instead."""
+        runner = self.runner
+        longest = max(runner.length(sid) for sid in seq_ids)
+        shape = StepsShape(len(seq_ids) == 1, steps, top_m)
+        # (a first step over no cached keys would attend to 1 key: a size the graphs,
+        # dynamic in keys from 2, would miss their guards on, and go eager for good)
+        fits = longest >= 1 and longest + steps <= runner.max_model_len
+        return fits and shape not in self._graphs.eager_shapes
 
     @torch.no_grad()  # (its graphs are traced and guarded without autograd)
     def run(
@@ -136,7 +178,8 @@ class FusedDraftSteps:
         top_m: int,
     ) -> FusedSteps:
         """Draft positions ``first_step .. first_step + steps - 1`` of every row, the
-        first fed ``tokens`` (``[batch]``, the step before's drafts, on the device).
+        first fed ``tokens`` (``[batch]``, on the device: the step before's drafts, or at
+        ``first_step`` 0 each row's one committed token not yet cached).
 
         ``num_draft_tokens`` (``[batch]``): each row's count so far, ``k`` for a row the
         confidence stop has not ended; a row whose token at position ``i`` has a raw
@@ -202,18 +245,16 @@ class FusedDraftSteps:
             logits = logits.masked_fill(self._vocab >= vocab_limit, float("-inf"))
             lse = logits.logsumexp(dim=-1, keepdim=True)  # [batch, 1]
             if top_m:  # the likeliest token heads the top-m, as in the step-by-step path
-                values, index = logits.topk(top_m, dim=-1)  # [batch, m]
+                index, probs = top_candidates(logits, top_m, lse)  # [batch, m]
                 top_ids.append(index)
-                top_p.append((values - lse).exp())
+                top_p.append(probs)
                 tokens = index[:, 0]
             else:
                 tokens = logits.argmax(dim=-1)
             drafts.append(tokens)
-            # The confidence stop, as DraftModelProposer._confidence_stop decides it.
-            conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp()  # [batch]
-            stop = live & (conf < min_confidence)
-            counts = torch.where(stop, first_step + (j + 1), counts)
-            live = live & ~stop
+            counts, live = confidence_stop(
+                counts, live, logits, lse, tokens, min_confidence, first_step + (j + 1)
+            )
         drafts_t = torch.stack(drafts, dim=1)  # [batch, steps]
         if not top_m:
             return drafts_t, drafts_t, drafts_t, counts  # (placeholders: dropped by run)

@@ -78,6 +78,12 @@ def use_compile_cache(base: str | os.PathLike) -> Path:
     return path
 
 
+def seconds_by_name(seconds: dict) -> dict[str, float]:
+    """Compile seconds per shape (a warm-up's result) keyed by the shapes' names, rounded
+    to 10 ms: what workers report in their info and logs."""
+    return {str(shape): round(s, 2) for shape, s in seconds.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class PassShape:
     """Which compiled graph a forward pass runs: the sizes the graph is specialised on."""
@@ -105,7 +111,9 @@ class CompiledForward:
         self._eager = fn
         # fullgraph: a graph break is a failure (then eager for that shape), not a silent
         # split into pieces with Python between them.
-        self._compiled = torch.compile(_own_code(fn, name), fullgraph=True)
+        own = _own_code(fn, name)
+        self.code = own.__code__  # where torch keeps this set's graphs (no one else's)
+        self._compiled = torch.compile(own, fullgraph=True)
         self.compile_seconds: dict = {}  # shape -> first call's time [s]
         self.eager_shapes: set = set()  # shapes whose graph failed or went stale
         # Once warm (freeze), a pass whose graph's guards fail never compiles in a request
@@ -162,7 +170,9 @@ def _own_code(fn, name: str):
         return fn(**kwargs)
 
     label = "".join(c if c.isalnum() else "_" for c in name)
-    call.__code__ = call.__code__.replace(co_name=f"compiled_{label}")
+    call.__code__ = call.__code__.replace(
+        co_name=f"compiled_{label}", co_qualname=f"compiled_{label}"
+    )
     call.__name__ = call.__qualname__ = call.__code__.co_name
     return call
 

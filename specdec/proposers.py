@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.draft_steps import FusedDraftSteps, chunk_sizes
-from specdec.execution import TORCH_COMPILE
+from specdec.draft_steps import FusedDraftSteps, chunk_sizes, confidence_stop, top_candidates
+from specdec.execution import TORCH_COMPILE, seconds_by_name
 from specdec.low_rank import LowRankUpdate
 from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import dequantize_q, quantize_q
@@ -112,8 +112,8 @@ class DraftModelProposer(Proposer):
         self.limit_vocab(vocab_limit)
         self._cached: dict[Hashable, list[int]] = {}  # seq_id -> tokens whose KV is cached
         self.weights_version = 0  # weights loaded since construction (load_weights)
-        # A compiled draft runs the steps after a round's first in graphs of several
-        # (greedy batches; specdec.draft_steps), else step by step.
+        # A compiled draft runs a round's one-token steps in graphs of several (greedy
+        # batches; specdec.draft_steps), else step by step.
         self.fused = (
             FusedDraftSteps(runner, str(runner.config.name_or_path or "draft"))
             if runner.execution_mode == TORCH_COMPILE
@@ -125,7 +125,7 @@ class DraftModelProposer(Proposer):
         (nothing when the runner is eager); seconds per graph, by name."""
         if self.fused is None:
             return {}
-        return {str(shape): round(s, 2) for shape, s in self.fused.warm_up(top_m).items()}
+        return seconds_by_name(self.fused.warm_up(top_m))
 
     def limit_vocab(self, vocab_limit: int | None) -> None:
         """Propose only ids below ``vocab_limit`` (None: every row of the draft's head)."""
@@ -173,7 +173,7 @@ class DraftModelProposer(Proposer):
         logits = self._logits(ids, feed)  # [batch, vocab_limit]
         for sid, toks in zip(ids, feed, strict=True):
             self._cached[sid].extend(toks)
-        return _top(logits, m)
+        return top_candidates(logits, m)
 
     def _logits(self, ids: list[Hashable], feed: list[list[int]]) -> torch.Tensor:
         """Last-position logits over the shared ids: ``[batch, vocab_limit]``."""
@@ -219,18 +219,17 @@ class DraftModelProposer(Proposer):
         ``draft_probs`` holds the sampled rows only (``probs_rows``; :meth:`Proposal.q`).
         """
         run = self._start(seqs, k, top_m)
-        chunks = self._fused_chunks(run)  # graphs for steps 1..k-1, or None: step by step
         i = 0
-        while i < k:
+        for size in self._plan(run):
             if should_stop is not None and should_stop():
                 if run.steps:
                     self._read_drafts(run)  # what was fed stays cached
                 return None
-            if i == 0 or chunks is None:
+            if size is None:
                 self._step(run, i)
                 i += 1
             else:
-                i += self._fused_step(run, i, chunks.pop(0))
+                i += self._fused_step(run, i, size)
             if self._all_stopped(run, i - 1):
                 break
         counts, drafts = self._read_drafts(run)
@@ -246,30 +245,39 @@ class DraftModelProposer(Proposer):
             host_draft_token_ids=drafts,
         )
 
-    def _fused_chunks(self, run: _Drafting) -> list[int] | None:
-        """The fused graphs' sizes for steps 1..k-1 of this proposal, or None where it
-        runs step by step (an eager runner; a sampled row, or one whose penalties need its
-        drafts on the host)."""
-        if self.fused is None or run.probs_rows or run.history or run.k < 2:
-            return None
+    def _plan(self, run: _Drafting) -> list[int | None]:
+        """How this proposal's ``k`` steps run, in order: None for one ordinary pass, n
+        for a graph of n fused steps. Fused steps need a compiled runner and greedy rows
+        without penalties history (a sampled row draws from its request's generator; a
+        penalty needs the drafts on the host). The first step is fused too where every row
+        feeds one committed token (the usual round: the target's token after a rejection),
+        else it is an ordinary pass (a new row's prompt, or a round that accepted every
+        draft feeds two or more)."""
+        if self.fused is None or run.probs_rows or run.history or run.k == 0:
+            return [None] * run.k
+        head = [] if all(len(feed) == 1 for feed in run.first_feed) else [None]
         ascending = self.stop_early and self.min_confidence > 0
-        return chunk_sizes(run.k - 1, ascending, self.fused.sizes_for(len(run.ids)))
+        sizes = self.fused.sizes_for(len(run.ids))
+        return head + chunk_sizes(run.k - len(head), ascending, sizes)
 
     def _fused_step(self, run: _Drafting, i: int, steps: int) -> int:
         """Draft positions ``i .. i + steps - 1`` of every row in one graph (fed the
-        drafts of step ``i - 1`` on the device), or step by step where that graph runs
-        eagerly (it failed to compile, or missed its guards once warm: one eager pass per
-        step would cost more than the runner's compiled one) or where a row has fewer
-        than ``steps`` positions left (a step refuses just the one past the limit, as
-        without fused steps); returns ``steps``."""
-        room = self.runner.max_model_len - max(self.runner.length(sid) for sid in run.ids)
-        if steps > room or self.fused.is_eager(len(run.ids) == 1, steps, run.top_m):
+        drafts of step ``i - 1`` on the device, or at ``i`` = 0 each row's one committed
+        token), or step by step where the graph should not run
+        (:meth:`FusedDraftSteps.can_run`); returns ``steps``."""
+        if not self.fused.can_run(run.ids, steps, run.top_m):
             for j in range(i, i + steps):
                 self._step(run, j)
             return steps
+        if i > 0:
+            tokens = run.draft[:, i - 1]  # [batch] the step before's drafts, on the device
+        else:  # each row's one committed token (an id the draft has no row for: as 0)
+            rows = self.runner.input_vocab_size
+            first = [feed[0] if feed[0] < rows else 0 for feed in run.first_feed]
+            tokens = torch.tensor(first, dtype=torch.long, device=self.runner.device)
         out = self.fused.run(
             run.ids,
-            run.draft[:, i - 1],
+            tokens,
             steps=steps,
             first_step=i,
             num_draft_tokens=run.counts,
@@ -353,7 +361,7 @@ class DraftModelProposer(Proposer):
         top_m = run.top_m
         lse = logits.logsumexp(dim=-1, keepdim=True) if top_m or self.min_confidence else None
         if top_m:  # the likeliest token heads the top-m: no separate argmax
-            run.top_ids[:, i], run.top_p[:, i] = _top(logits, top_m, lse)  # [batch, m]
+            run.top_ids[:, i], run.top_p[:, i] = top_candidates(logits, top_m, lse)  # [batch, m]
             tokens = run.top_ids[:, i, 0].clone()  # [batch]; replaced on sampled rows
         else:
             tokens = logits.argmax(dim=-1)
@@ -365,7 +373,10 @@ class DraftModelProposer(Proposer):
                 if r in run.history:
                     run.history[r].append(t)
         if self.min_confidence and i + 1 < run.k:
-            self._confidence_stop(run, i, logits, lse, tokens)
+            # (rows stay in the batch: reading which stopped would stop the host each step)
+            run.counts, _ = confidence_stop(
+                run.counts, run.counts == run.k, logits, lse, tokens, self.min_confidence, i + 1
+            )
         return True
 
     def _logits_after(self, ids: list[Hashable], tokens: torch.Tensor) -> torch.Tensor:
@@ -391,34 +402,6 @@ class DraftModelProposer(Proposer):
         ]
         tokens[run.probs_at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
         run.probs[:, i] = w
-
-    def _confidence_stop(
-        self,
-        run: _Drafting,
-        i: int,
-        logits: torch.Tensor,
-        lse: torch.Tensor,
-        tokens: torch.Tensor,
-    ) -> None:
-        """End, on the device, the drafts of rows whose token at ``i`` the draft itself
-        gave less than ``min_confidence`` (that token is still proposed): their count
-        becomes ``i + 1``. The rows stay in the batch (reading which ones stopped would
-        stop the host every step); what they draft past their count is never proposed."""
-        # The draft's raw probability of the token it proposed, row by row: [batch]
-        conf = (logits.gather(-1, tokens[:, None]) - lse)[:, 0].exp()
-        stop = (conf < self.min_confidence) & (run.counts == run.k)
-        run.counts = torch.where(stop, torch.full_like(run.counts, i + 1), run.counts)
-
-
-def _top(
-    logits: torch.Tensor, m: int, lse: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``m`` likeliest tokens of ``[batch, vocab]`` logits and their probabilities
-    (``lse``: the logits' ``logsumexp`` over the vocabulary, when the caller has it)."""
-    values, index = logits.topk(m, dim=-1)  # [batch, m]
-    if lse is None:
-        lse = logits.logsumexp(dim=-1, keepdim=True)
-    return index, (values - lse).exp()
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from deployments.config import ModelSpec
-from specdec.execution import EAGER, default_execution_mode, use_compile_cache
+from specdec.execution import EAGER, default_execution_mode, seconds_by_name, use_compile_cache
 from specdec.runner import ModelRunner
 
 logger = logging.getLogger("specserve.workers")
@@ -153,7 +153,7 @@ def warm_up(runner: ModelRunner) -> dict[str, float]:
     if runner.execution_mode == EAGER:
         return {}
     started = time.monotonic()
-    seconds = {str(shape): round(s, 2) for shape, s in runner.warm_up().items()}
+    seconds = seconds_by_name(runner.warm_up())
     logger.info(
         "%s: %d graphs ready in %.1f s (%s)",
         runner.model.name_or_path,

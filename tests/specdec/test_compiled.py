@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,6 +227,12 @@ def test_compiled_family_greedy_equals_generate(name, family_models, device):
     assert accepted > 0
     if mode == "torch_compile":
         assert target.compile_seconds and not target._compiled.eager_shapes
+        # The target's and the draft's graphs (one class's forward, often) are kept apart:
+        # each runner's code object holds its own graphs, one per shape, and nothing else.
+        assert target._compiled.code is not draft._compiled.code
+        for runner in (target, draft):
+            entries = _debug_get_cache_entry_list(runner._compiled.code)
+            assert len(entries) == len(runner.compile_seconds) > 0
 
 
 def test_settings_and_cache_dir(tmp_path, tiny_draft):

@@ -1,6 +1,6 @@
-"""Fused draft steps (specdec.draft_steps): a compiled draft's steps after the first of a
-round run in graphs of several; the drafts, their counts and candidates are the ones the
-draft proposes step by step, and once warm no round recompiles."""
+"""Fused draft steps (specdec.draft_steps): a compiled draft's one-token steps of a round
+run in graphs of several; the drafts, their counts and candidates are the ones the draft
+proposes step by step, and once warm no round recompiles."""
 
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ def test_fused_steps_propose_what_step_by_step_proposes(
     }
     stepwise = DraftModelProposer(eager, min_confidence=min_confidence, vocab_limit=limit)
     assert stepwise.fused is None
+    first_steps = _record_first_steps(fused.fused)
     rng = random.Random(0)
     rows = positions = fused_positions = stops_in_fused = 0
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -110,14 +111,17 @@ def test_fused_steps_propose_what_step_by_step_proposes(
                         rows += 1
                         stops_in_fused += int(2 <= n < k)  # a count the graph set
                     positions += clear
-                    fused_positions += max(0, clear - 1)  # past the first: fused steps
+                    fused_positions += max(0, clear - 1)  # (at least: those past the first)
                     for prop in (a, b):  # no candidate at or past the limit
                         assert int(prop.top_token_ids[row, :n].max()) < limit
                 # commit some drafts and a token of the target's, alike for both
                 for row, i in enumerate(order):
                     n = b.host_num_draft_tokens[row]
                     keep = b.host_draft_token_ids[row][: rng.randint(0, n)]
-                    token = rng.randrange(3, 60)
+                    # now and then an id the draft has no embedding row for (a target
+                    # with a larger vocabulary may commit one): fed as 0 by both paths
+                    no_row = compiled.input_vocab_size + 5
+                    token = rng.randrange(3, 60) if rng.random() < 0.8 else no_row
                     for p in ("fused", "stepwise"):
                         seqs[p][i].output_token_ids.extend([*keep, token])
             for p, proposer in (("fused", fused), ("stepwise", stepwise)):
@@ -131,6 +135,8 @@ def test_fused_steps_propose_what_step_by_step_proposes(
     )
     if name != "opt":
         assert stops_in_fused >= 1  # a count set inside a graph, compared
+    # Rounds that fed one committed token ran their first step in a graph too.
+    assert first_steps.count(0) >= 10 and max(first_steps) >= 2, first_steps
     assert not fused.fused.eager_shapes and not compiled._compiled.eager_shapes
     assert compiled.num_seqs == 0
 
@@ -150,19 +156,19 @@ def test_largest_graphs_first_a_stop_between_graphs_and_graphs_gone_eager(tiny_d
     seqs = [SequenceState("a", list(range(3, 20)), GREEDY) for _ in range(2)]
     rng = random.Random(1)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for k in (12, 7, 5, 3, 2, 1, 12):
+        for k in (0, 12, 7, 5, 3, 2, 1, 12):  # (k = 0 with a prompt to feed: nothing runs)
             a, b = fused.propose([seqs[0]], k), stepwise.propose([seqs[1]], k)
             assert a.host_draft_token_ids == b.host_draft_token_ids, k
             assert a.host_num_draft_tokens == b.host_num_draft_tokens == [k]
             keep = b.host_draft_token_ids[0][: rng.randint(0, k)]
             for s in seqs:
                 s.output_token_ids.extend([*keep, 9])
-        asked = iter([False, False, True])  # k = 12: step 0, graph of 4, then stop
+        asked = iter([False, False, True])  # k = 12: two graphs (or step 0 and one), stop
         assert fused.propose([seqs[0]], 12, should_stop=lambda: next(asked)) is None
         assert compiled.length("a") == len(fused._cached["a"])
         a, b = fused.propose([seqs[0]], 12), stepwise.propose([seqs[1]], 12)
         assert a.host_draft_token_ids == b.host_draft_token_ids
-    assert not fused.fused.eager_shapes
+    assert not fused.fused.eager_shapes and fused.fused.can_run(["a"], 4, 0)
     # Under a function mode every warm graph misses its guards: that call runs them
     # eagerly, the same drafts; from then on those steps are drafted one by one.
     for s in seqs:
@@ -171,9 +177,24 @@ def test_largest_graphs_first_a_stop_between_graphs_and_graphs_gone_eager(tiny_d
         with _PassThrough():
             a, b = fused.propose([seqs[0]], 12), stepwise.propose([seqs[1]], 12)
         assert a.host_draft_token_ids == b.host_draft_token_ids
-        assert fused.fused.is_eager(True, 4, 0)
+        assert StepsShape(True, 4, 0) in fused.fused.eager_shapes
+        assert not fused.fused.can_run(["a"], 4, 0)
         for s in seqs:
             s.output_token_ids.extend([*b.host_draft_token_ids[0][:3], 9])
+
+
+def _record_first_steps(steps: FusedDraftSteps) -> list[int]:
+    """The list that each later :meth:`FusedDraftSteps.run` call appends its
+    ``first_step`` to (the call itself unchanged)."""
+    calls: list[int] = []
+    run = steps.run
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs["first_step"])
+        return run(*args, **kwargs)
+
+    steps.run = recorded
+    return calls
 
 
 class _PassThrough(TorchFunctionMode):
