@@ -76,8 +76,8 @@ class BareStep:
         t0 = time.perf_counter()
         if self.compiled:
             position = torch.tensor([self.length])  # [1]
-            # Room for this graph beside the runners' (the class's forward is one code
-            # object for every model of the class: torch allows 8 graphs by default).
+            # Room for this graph beside the other bare model's (the class's forward is
+            # one code object for every model of the class: torch allows 8 by default).
             with torch._dynamo.config.patch(recompile_limit=1024):
                 out = self.forward(
                     input_ids=self.token, past_key_values=self.cache, cache_position=position
@@ -140,7 +140,7 @@ def run(args) -> dict:
     torch.set_grad_enabled(False)
     dtype = getattr(torch, args.dtype)
     prompt = list(range(5, 5 + args.prompt_len))
-    paths = {"target": MODELS / "demo-target", "draft": MODELS / "demo-draft"}
+    paths = {"target": Path(args.target), "draft": Path(args.draft)}
     started = time.perf_counter()
     modes = {"worker": "eager", "compiled": "torch_compile"}
     runners = {
@@ -166,11 +166,8 @@ def run(args) -> dict:
     timers["draft", "compiled_stepwise"] = DraftRound(stepwise, prompt, args.k, "seq-stepwise")
     warm_up_s = round(time.perf_counter() - started, 1)
     # [rep] median seconds per token, per (model, kind). Within a rep the four kinds of a
-    # model take turns in blocks of steps, so a drifting machine moves them alike. Blocks,
-    # not single steps: the runners' graphs and the bare compiled one are entries of one
-    # code object's cache (the model class's forward), which torch searches most recent
-    # first, so alternating step by step would make each call search the others' guards
-    # first: a cost neither a worker (one model's graphs) nor gpt-fast (one) pays.
+    # model take turns in blocks of steps, so a drifting machine moves them alike; blocks,
+    # not single steps, so each kind runs warm, as a worker running one model does.
     kinds = {"target": KINDS, "draft": (*KINDS, "compiled_stepwise")}
     samples = {f"{m}_{kind}": [] for m in paths for kind in kinds[m]}
     for _ in range(args.reps):
@@ -237,6 +234,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="steps of each kind per rep")
     parser.add_argument("--block", type=int, default=10, help="steps of a kind in a row")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--target", default=str(MODELS / "demo-target"), help="model dir")
+    parser.add_argument("--draft", default=str(MODELS / "demo-draft"), help="model dir")
     args = parser.parse_args()
     results = run(args)
     path = write_result("costs", vars(args) | {"threads": 1}, results)

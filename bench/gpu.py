@@ -292,8 +292,8 @@ def transformers_batch1(target_model, draft_model, args, gen, out: dict, save) -
         # left to compile there).
         target_model.forward = torch.compile(target_model.forward, fullgraph=True)
         static["disable_compile"] = True
-    # Room beside the graphs SpecServe's runners (and, under pytest, other tests) made of
-    # the same class's forward: torch allows 8 per code object by default.
+    # Room beside the graphs other tests (under pytest) made of the same class's forward:
+    # torch allows 8 per code object by default (SpecServe's runners have their own).
     with torch._dynamo.config.patch(recompile_limit=1024):
         t0 = time.perf_counter()
         try:

@@ -122,6 +122,11 @@ class MonitorDeployment:
                 "break_even": s.break_even,
                 "warmup_seen": s.warmup_seen,
                 "dispersion": s.dispersion,
+                # the detector's current run (the reverse one while firing): rounds seen
+                # in it and its statistic against its threshold
+                "rounds": s.rounds,
+                "statistic": s.statistic,
+                "threshold": s.threshold,
                 "drift_since": self.monitor.drift_since(name),
             }
         return {

@@ -101,11 +101,12 @@ def numbers(tree) -> list[float]:
     return [tree] if isinstance(tree, (int, float)) and not isinstance(tree, bool) else []
 
 
-def test_costs_smallest(results, monkeypatch):
-    payload = run_main(
-        monkeypatch, "bench.costs", ["--reps", "1", "--prompt-len", "8"], results, "costs"
-    )
-    assert payload["settings"]["reps"] == 1
+def test_costs_smallest(results, monkeypatch, tiny_target, tiny_draft):
+    # (the tiny pair: the bench's code, not the demo pair's compile time, is under test)
+    argv = ["--reps", "1", "--prompt-len", "8", "--steps", "10", "--block", "5"]
+    argv += ["--target", tiny_target, "--draft", tiny_draft]
+    payload = run_main(monkeypatch, "bench.costs", argv, results, "costs")
+    assert payload["settings"]["reps"] == 1 and payload["settings"]["draft"] == tiny_draft
     out = payload["results"]
     kinds = ("bare", "bare_compiled", "worker", "compiled")
     expected = {f"{m}_{k}" for m in ("target", "draft") for k in kinds}
