@@ -177,9 +177,14 @@ class DraftModelProposer(Proposer):
 
     def _logits(self, ids: list[Hashable], feed: list[list[int]]) -> torch.Tensor:
         """Last-position logits over the shared ids: ``[batch, vocab_limit]``."""
-        rows = self.runner.input_vocab_size
-        feed = [t if max(t) < rows else [x if x < rows else 0 for x in t] for t in feed]
+        feed = [self._embeddable(t) for t in feed]
         return self.runner.forward_padded(ids, feed, last_only=True)[:, : self.vocab_limit]
+
+    def _embeddable(self, tokens: list[int]) -> list[int]:
+        """``tokens`` with each id the draft's embedding has no row for as 0 (the target
+        may commit one of its padding ids: what the draft conditions on only shapes q)."""
+        rows = self.runner.input_vocab_size
+        return tokens if max(tokens) < rows else [x if x < rows else 0 for x in tokens]
 
     def _sync(self, seq: SequenceState) -> list[int]:
         """Roll the draft cache back to the committed prefix; return the tokens to feed."""
@@ -271,9 +276,8 @@ class DraftModelProposer(Proposer):
             return steps
         if i > 0:
             tokens = run.draft[:, i - 1]  # [batch] the step before's drafts, on the device
-        else:  # each row's one committed token (an id the draft has no row for: as 0)
-            rows = self.runner.input_vocab_size
-            first = [feed[0] if feed[0] < rows else 0 for feed in run.first_feed]
+        else:  # each row's one committed token
+            first = self._embeddable([feed[0] for feed in run.first_feed])
             tokens = torch.tensor(first, dtype=torch.long, device=self.runner.device)
         out = self.fused.run(
             run.ids,
