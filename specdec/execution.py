@@ -44,7 +44,7 @@ _DEFAULT_MODE = {"cpu": TORCH_COMPILE}
 
 # Graphs one CompiledForward may hold (torch counts them per code object, and each
 # CompiledForward has a code object of its own: :func:`_own_code`): the shapes of
-# :class:`PassShape` (4) or of a draft's fused steps (6), with room to spare.
+# :class:`PassShape` (4) or of a draft's fused steps (5), with room to spare.
 _GRAPHS_PER_SET = 16
 
 
