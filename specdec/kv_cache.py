@@ -70,6 +70,18 @@ class BatchLayout:
         return self.kv_range.shape[0]
 
 
+def _sizes_dynamic(t: torch.Tensor, slots: int = 0, capacity: int = 2) -> torch.Tensor:
+    """Mark a cache tensor's slot count and capacity as sizes a compiled graph reads, not
+    constants it is made for (``slots``, ``capacity``: their dims). Why: the graphs of one
+    model are then the same whatever ``max_num_seqs`` and ``max_model_len`` are, so
+    Inductor's cache serves every config of a model (a colocated draft reuses the actor
+    draft's graphs; a test of other sizes reuses another's) where each compiled afresh.
+    (A size of 1 is still a constant: torch specialises 0 and 1.)"""
+    torch._dynamo.maybe_mark_dynamic(t, slots)
+    torch._dynamo.maybe_mark_dynamic(t, capacity)
+    return t
+
+
 class _SlotLayer(CacheLayerMixin):
     """One decoder layer's keys ``[slots, kv_heads, capacity, head_dim]`` and values
     ``[slots, kv_heads, capacity, v_head_dim]``: the two head sizes may differ (multi-head
@@ -93,7 +105,7 @@ class _SlotLayer(CacheLayerMixin):
         device (``states``: ``[batch, heads, n, dim]``, or a cache tensor)."""
         _, heads, _, dim = states.shape
         shape = (self.owner.num_slots, heads, self.owner.capacity, dim)
-        return torch.zeros(shape, dtype=states.dtype, device=states.device)
+        return _sizes_dynamic(torch.zeros(shape, dtype=states.dtype, device=states.device))
 
     def bytes_per_token(self) -> int:
         if not self.is_initialized:
@@ -182,8 +194,10 @@ class SlotKVCache(Cache):
             k, v = members[0].keys, members[0].values  # the probe's (replaced below)
             keys = k.new_zeros((len(members), num_slots, k.shape[1], capacity, k.shape[3]))
             values = v.new_zeros((len(members), num_slots, v.shape[1], capacity, v.shape[3]))
+            for stack in (keys, values):
+                _sizes_dynamic(stack, slots=1, capacity=3)
             for i, layer in enumerate(members):
-                layer.keys, layer.values = keys[i], values[i]
+                layer.keys, layer.values = _sizes_dynamic(keys[i]), _sizes_dynamic(values[i])
             self._stacks.append((keys, values))
         stacked = {id(layer) for members in groups.values() for layer in members}
         self._loose = [layer for layer in self.layers if id(layer) not in stacked]
