@@ -28,6 +28,19 @@ DEMO_DRAFT = str(ROOT / "models" / "demo-draft")
 DEMO_DRAFT_PYTHON = str(ROOT / "models" / "demo-draft-python")
 GPT2_POSITIONS = 64  # the tiny GPT-2's context limit (n_positions)
 
+# ModelSpec's default compile_cache_dir (tests/deployments/test_config_placement.py checks it).
+COMPILE_CACHE_DIR = "~/.cache/specserve/torch-compile"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache():
+    """In-process compiled runners keep their graphs where the workers keep theirs, as a
+    user's workers do across restarts: a model's graphs built by one test (in a worker or in
+    this process) are loaded by the next instead of compiled again."""
+    from specdec.execution import use_compile_cache
+
+    return use_compile_cache(COMPILE_CACHE_DIR)
+
 
 def save_tiny_llama(path, *, seed: int, layers: int, hidden: int, vocab: int = VOCAB) -> str:
     """A random Llama with *untied* embeddings (tied random models trivially agree)."""

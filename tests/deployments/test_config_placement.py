@@ -5,6 +5,7 @@ from pydantic import ValidationError
 
 from deployments.config import EngineConfig, WorkerResources
 from deployments.placement import bundle, placement_for
+from tests.conftest import COMPILE_CACHE_DIR
 
 
 def cfg(**kw):
@@ -18,6 +19,8 @@ def test_defaults_and_model_name():
     assert c.speculation.mode == "overlap"
     assert c.model_name == "big-8b"
     assert cfg(served_model_name="x").model_name == "x"
+    # (in-process test runners share the workers' compile cache: tests/conftest.py)
+    assert c.target.compile_cache_dir == COMPILE_CACHE_DIR
 
 
 @pytest.mark.parametrize(
