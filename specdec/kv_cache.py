@@ -74,8 +74,9 @@ def _sizes_dynamic(t: torch.Tensor, slots: int = 0, capacity: int = 2) -> torch.
     """Mark a cache tensor's slot count and capacity as sizes a compiled graph reads, not
     constants it is made for (``slots``, ``capacity``: their dims). Why: the graphs of one
     model are then the same whatever ``max_num_seqs`` and ``max_model_len`` are, so
-    Inductor's cache serves every config of a model (a colocated draft reuses the actor
-    draft's graphs; a test of other sizes reuses another's) where each compiled afresh.
+    Inductor's cache serves every config of a model in one installation (a colocated
+    draft reuses the actor draft's graphs; a test of other sizes reuses another's) where
+    each compiled afresh. (Another venv's graphs do not match: their source paths differ.)
     (A size of 1 is still a constant: torch specialises 0 and 1.)"""
     torch._dynamo.maybe_mark_dynamic(t, slots)
     torch._dynamo.maybe_mark_dynamic(t, capacity)
