@@ -13,6 +13,11 @@ from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from tests.conftest import EAGER
 
+# Drafted python rounds a swap is judged on, and that the version before needs for its
+# reference (one pass of the rollback test's traffic gives ~50): with 4 against 3, a
+# wrecked draft's lucky round or two kept it (CI, d247769).
+WINDOW_ROUNDS = 16
+
 
 @pytest.fixture(scope="module")
 def serve_engine(serve_http, tiny_target, tiny_draft):
@@ -41,10 +46,10 @@ def serve_engine(serve_http, tiny_target, tiny_draft):
                         "max_loss": 1.0,
                         "num_cpus": 0.5,
                     },
-                    # A swap is judged on 16 drafted python rounds against the version
-                    # before's last 16 (one pass of the test's traffic gives ~50): with 4,
-                    # a wrecked draft's lucky round or two kept it (CI, d247769).
-                    "rollback": {"window_rounds": 16, "min_before_rounds": 16},
+                    "rollback": {
+                        "window_rounds": WINDOW_ROUNDS,
+                        "min_before_rounds": WINDOW_ROUNDS,
+                    },
                     "poll_interval_s": 0.5,
                 },
             ),
@@ -202,7 +207,7 @@ def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_version
 ):
     """A run with a learning rate that wrecks the draft (5.0: the candidate is still
     deployed, the verdict being off in this app) serves version v + 1; its live
-    acceptance on python over its first 16 rounds falls far below version v's, so the
+    acceptance on python over its first WINDOW_ROUNDS rounds falls far below version v's, so the
     deployment serves version v's weights again as version v + 2, by itself. Then an
     operator lists versions, exports one as a Hugging Face directory, turns adaptation
     off and on, and rolls back by hand. Greedy output equals target-only throughout."""
@@ -242,7 +247,7 @@ def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_version
         counts = monitor.acceptance.remote("python").result()
         if (
             not pending
-            and counts.get(v1, (0,))[0] >= 16
+            and counts.get(v1, (0,))[0] >= WINDOW_ROUNDS
             and v1 == store.served_version.remote().result()
         ):
             break
@@ -262,14 +267,14 @@ def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_version
         lambda: store.served_version.remote().result() == v1 + 2,
         detail=lambda: (
             store.versions.remote().result()[-2:],
-            monitor.acceptance.remote("python", 16).result(),
+            monitor.acceptance.remote("python", WINDOW_ROUNDS).result(),
         ),
     )
     versions = store.versions.remote().result()
     wrecked, back = versions[-2], versions[-1]
     assert wrecked["version"] == v1 + 1 and wrecked["watch"].startswith("rolled back: live alpha")
     assert back["origin"] == "rolled_back" and back["weights_of"] == reference
-    counts = monitor.acceptance.remote("python", 16).result()
+    counts = monitor.acceptance.remote("python", WINDOW_ROUNDS).result()
     alpha = {v: a / max(1, a + r) for v, (_, a, r) in counts.items()}
     assert alpha[v1 + 1] < alpha[v1] - 0.05, counts
     status = store.status.remote().result()
