@@ -42,6 +42,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.common import commit, median
+from specdec.cuda_graphs import KV_BLOCK
+from specdec.execution import EXECUTION_MODES
 from specdec.kv_cache import check_transformers_version
 from specdec.runner import ModelRunner
 
@@ -327,8 +329,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--execution-mode",
         default="eager",
-        choices=["eager", "torch_compile"],
-        help="how SpecServe's runners execute (specdec.execution); compiled ones warm up first",
+        choices=list(EXECUTION_MODES),
+        help="how SpecServe's runners execute (specdec.execution): compiled ones warm up "
+        "first, cuda_graph records every measured shape's graph first",
     )
     args = ap.parse_args(argv)
     if max(args.ks) < 1 or not all(0 < a < 1 for a in args.alphas):
@@ -346,6 +349,59 @@ def served_length(args) -> int:
     k = max(args.ks)
     rounds = max(math.ceil(args.new_tokens * (1 - a) / (1 - a ** (k + 1))) for a in args.alphas)
     return args.context + max(rounds * (k + 1), args.new_tokens) + k + 2
+
+
+def agreement(target: ModelRunner, model, args, gen, new_tokens: int = 32) -> dict:
+    """Greedy tokens of the runner (in its execution mode) against transformers' eager
+    ``generate`` on one prompt: how many of the first ``new_tokens`` agree before the first
+    difference. A sanity check, not exactness (the exactness tests are tests/specdec): bf16
+    random weights leave near-ties that another kernel's rounding may break."""
+    vocab = target.input_vocab_size
+    prompt = [gen.randrange(vocab) for _ in range(args.context)]
+    last = target.prefill(["check"], [prompt]).argmax(dim=-1)  # [1]
+    ours = [int(last.item())]
+    for _ in range(new_tokens - 1):
+        last = target.forward_padded(["check"], last[:, None], last_only=True).argmax(dim=-1)
+        ours.append(int(last.item()))
+    free_rows(target)
+    ids = torch.tensor([prompt], device=model.device)
+    theirs = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+    return {
+        "tokens": new_tokens,
+        "agree_before_first_difference": new_tokens if same is None else same,
+    }
+
+
+def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int) -> dict:
+    """Record the CUDA graphs every measured pass replays (``execution_mode="cuda_graph"``),
+    before any timing: each batch, each query length (the target's verifications of k + 1
+    and decode; the draft's steps of 1, or 2 tokens after a round that accepted all), and
+    each key block from the context to ``length``. Returns seconds per graph and in all."""
+    block = KV_BLOCK
+    first = -(-(args.context + 1) // block) * block
+    kv_lens = [min(b, length) for b in range(first, length + block, block)]
+    out: dict = {}
+    for name, runner, queries in (
+        ("target", target, sorted({1, *(k + 1 for k in args.ks)})),
+        ("draft", draft, [1, 2]),
+    ):
+        t0 = time.perf_counter()
+        seconds = runner.record_graphs(args.batches, queries, kv_lens)
+        out[name] = {
+            "graphs": len(seconds),
+            "total_s": round(time.perf_counter() - t0, 2),
+            "per_graph_s": {str(shape): round(s, 3) for shape, s in seconds.items()},
+        }
+        print(f"[bench.gpu] {name}: {len(seconds)} graphs in {out[name]['total_s']} s", flush=True)
+    return out
 
 
 def main(argv=None) -> None:
@@ -376,7 +432,11 @@ def main(argv=None) -> None:
         name: {str(shape): s for shape, s in runner.warm_up().items()}
         for name, runner in (("target", target), ("draft", draft))
     }
+    if args.execution_mode == "cuda_graph":
+        results["record_s"] = record_graphs(target, draft, args, length)
     save("warm-up")
+    results["agreement"] = agreement(target, models[0], args, gen)
+    save("agreement")
     bw = results["bandwidth_gb_s"] * 1e9
     results["passes"] = measure_passes(target, draft, args, gen, bw)
     save("passes")

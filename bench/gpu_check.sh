@@ -6,17 +6,21 @@
 # Why a script: a lent machine is held for minutes, starts bare (torch 2.11, transformers
 # 5.17, no Ray, no network) and keeps nothing, so the checks run in one go, each under a
 # time box of its own, each writing its log and JSON into OUT_DIR as it goes (a box that
-# runs out loses only its own section). In order of what a result is worth:
-#   1. bench.gpu with the eager runners (the reference), peers included;
-#   2. bench.gpu with SpecServe's compiled graphs (torch_compile), without the peers;
-#   3. tests/specdec with their runners and references on the GPU.
+# runs out loses only its own section). The checks, in the order CHECKS names them
+# (default "graph_tests graphs eager tests"):
+#   graph_tests: tests/specdec/test_cuda_graphs.py on the GPU (the graphs are exact);
+#   graphs:      bench.gpu with the runners on CUDA graphs (cuda_graph), peers included;
+#   eager:       bench.gpu with the eager runners (the reference), peers included;
+#   compiled:    bench.gpu with Inductor graphs (torch_compile), without the peers;
+#   tests:       all of tests/specdec on the GPU.
 # Measured on an H100 (2026-11-26): the eager section took 276 s up to the static-compile
 # peer (whose warm-up is 32 s); the compiled section did not finish compiling the 8B and
 # 1B graphs in 150 s; the tests ran 16 in 100 s with -n 4. A lease has 15 minutes, a
 # machine's start included: give the boxes to what the session needs most.
-# The boxes (seconds) can be changed through the environment: EAGER_S, COMPILED_S, TESTS_S;
-# BENCH_ARGS are added to both bench.gpu runs and TEST_DEVICE (default cuda) is the tests'
-# --device, so that `BENCH_ARGS="--device cpu --smoke" TEST_DEVICE=cpu` tries it here.
+# Boxes (seconds) through the environment: GRAPH_TESTS_S, GRAPHS_S, EAGER_S, COMPILED_S,
+# TESTS_S; BENCH_ARGS are added to every bench.gpu run, GRAPHS_ARGS and EAGER_ARGS to
+# one; TEST_DEVICE (default cuda) is the tests' --device, so that
+# `BENCH_ARGS="--device cpu --smoke" TEST_DEVICE=cpu` tries it here.
 set -u
 out=${1:?usage: bench/gpu_check.sh OUT_DIR [COMMIT]}
 mkdir -p "$out"
@@ -38,22 +42,32 @@ box() {  # box NAME SECONDS COMMAND...: run COMMAND with a time limit, log to OU
     "$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee "$out/summary.txt"
 
-# shellcheck disable=SC2086  # BENCH_ARGS are words
-box eager "${EAGER_S:-300}" "$py" -m bench.gpu --out "$out/eager" ${BENCH_ARGS:-}
-box compiled "${COMPILED_S:-160}" "$py" -m bench.gpu --execution-mode torch_compile --no-peers \
-    --out "$out/compiled" ${BENCH_ARGS:-}
 # Four workers where pytest-xdist is installed (the lent machine's image has it).
 workers=$("$py" -c 'import xdist' 2>/dev/null && echo "-n 4")
-# shellcheck disable=SC2086  # $workers is empty or two words
-box tests "${TESTS_S:-100}" "$py" -m pytest -q --maxfail=20 -p no:cacheprovider $workers \
-    tests/specdec --device "${TEST_DEVICE:-cuda}"
+pytest=("$py" -m pytest -q --maxfail=20 -p no:cacheprovider --device "${TEST_DEVICE:-cuda}")
+# shellcheck disable=SC2086  # BENCH_ARGS are words
+for check in ${CHECKS:-graph_tests graphs eager tests}; do
+    case $check in
+    graph_tests) box graph_tests "${GRAPH_TESTS_S:-100}" "${pytest[@]}" tests/specdec/test_cuda_graphs.py ;;
+    graphs) box graphs "${GRAPHS_S:-220}" "$py" -m bench.gpu --execution-mode cuda_graph \
+        --out "$out/graphs" ${BENCH_ARGS:-} ${GRAPHS_ARGS:-} ;;
+    eager) box eager "${EAGER_S:-300}" "$py" -m bench.gpu --out "$out/eager" ${BENCH_ARGS:-} \
+        ${EAGER_ARGS:-} ;;
+    compiled) box compiled "${COMPILED_S:-160}" "$py" -m bench.gpu --execution-mode torch_compile \
+        --no-peers --out "$out/compiled" ${BENCH_ARGS:-} ;;
+    tests) box tests "${TESTS_S:-100}" "${pytest[@]}" $workers tests/specdec ;;
+    *) echo "[gpu_check] unknown check $check" | tee -a "$out/summary.txt" ;;
+    esac
+done
 
-tail -n 3 "$out/tests.log" >>"$out/summary.txt"
+for log in graph_tests tests; do
+    [ -f "$out/$log.log" ] && tail -n 3 "$out/$log.log" >>"$out/summary.txt"
+done
 "$py" - "$out" <<'EOF' | tee -a "$out/summary.txt"
 import json, sys
 from pathlib import Path
 
-for mode in ("eager", "compiled"):
+for mode in ("graphs", "eager", "compiled"):
     found = sorted((Path(sys.argv[1]) / mode).glob("gpu*.json"))
     path = found[0] if found else Path("missing")
     if not path.exists():
@@ -69,5 +83,9 @@ for mode in ("eager", "compiled"):
         parts += [f"{k} {v['tokens_per_s']:.0f} ({v['speedup_vs_plain']:.2f}x)" for k, v in row.items() if k != "plain"]
         print(f"  {batch}: tokens/s " + ", ".join(parts))
     for key, v in r.get("transformers_batch1", {}).items():
-        print(f"  transformers {key}: {v:.1f}")
+        print(f"  transformers {key}: {v:.1f}" if isinstance(v, float) else f"  transformers {key}: {v}")
+    if "agreement" in r:
+        print(f"  agreement with transformers: {r['agreement']}")
+    for name, rec in r.get("record_s", {}).items():
+        print(f"  {name}: {rec['graphs']} graphs recorded in {rec['total_s']} s")
 EOF

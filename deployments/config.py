@@ -91,12 +91,15 @@ class ModelSpec(_Strict):
         "exclusive with kv_cache_memory_bytes. Fewer slots than max_num_seqs make requests "
         "wait for a free slot, never fail.",
     )
-    execution_mode: Literal["eager", "torch_compile"] | None = Field(
+    execution_mode: Literal["eager", "torch_compile", "cuda_graph"] | None = Field(
         default=None,
         description="How the model's forward runs: 'eager' (transformers' modules, one "
-        "kernel at a time: the reference) or 'torch_compile' (Inductor graphs per pass shape, "
+        "kernel at a time: the reference), 'torch_compile' (Inductor graphs per pass shape, "
         "compiled at startup while /health says 'warming'; a shape that fails to compile "
-        "stays eager). Unset: what bench.costs measured faster on the worker's device type "
+        "stays eager) or 'cuda_graph' (on CUDA: the eager kernels recorded as one CUDA graph "
+        "per padded pass shape, each at the first pass of its shape, in well under a second; "
+        "longer passes such as prefill chunks and shapes that fail to record run eager). "
+        "Unset: what bench.costs measured faster on the worker's device type "
         "(cpu: torch_compile; cuda: eager). Unrelated to speculation.transport.",
     )
     compile_cache_dir: str = Field(

@@ -35,7 +35,10 @@ logger = logging.getLogger("specserve.execution")
 
 EAGER = "eager"
 TORCH_COMPILE = "torch_compile"
-EXECUTION_MODES = (EAGER, TORCH_COMPILE)
+# The eager modules' kernels recorded as CUDA graphs, one per static pass shape
+# (specdec.cuda_graphs): on CUDA. Elsewhere the same padded passes run eagerly (tests).
+CUDA_GRAPH = "cuda_graph"
+EXECUTION_MODES = (EAGER, TORCH_COMPILE, CUDA_GRAPH)
 
 # What each device type runs when a model spec leaves execution_mode unset: what
 # bench.costs measured faster there (docs/benchmarks.md, "Compiled execution"). CUDA stays

@@ -12,8 +12,9 @@ and this function, registered with transformers' ``AttentionInterface`` as
   (decode), or a pass from position 0 with no padding (prefill), SDPA's own causal flag;
 - else a boolean mask built from the row positions, once per layer type per pass, on the
   model's device, never through the model's mask code;
-- grouped-query attention through SDPA's ``enable_gqa``: keys and values are read in place
-  (on CUDA only in the passes without a mask: no fused kernel there takes both).
+- grouped-query attention with keys and values read in place: SDPA's ``enable_gqa``, or
+  on CUDA for a masked pass (no fused kernel there takes groups and a mask) each group's
+  query heads folded into one KV head's queries (:func:`grouped_masked_attention`).
 
 A model whose attention SDPA cannot compute (soft-capped scores, attention sinks), that
 does not pass the runner's arguments down to its attention, or that changes the mask it is
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.attention import SLIDING, AttentionLayout, build_masks
@@ -79,6 +80,9 @@ class RowSpans:
     # A compiled pass (specdec.execution): a mask per row unless the pass is one query of
     # one row, so which rows start where never changes which graph runs.
     per_row_masks: bool = False
+    # Keys padded past the longest row (a CUDA graph's static key count, specdec.cuda_graphs):
+    # every pass masks, even one query of one row.
+    keys_padded: bool = False
     # What the runner passes as the model's attention_mask: an empty 4-D tensor, which
     # transformers hands to every layer untouched (it builds no mask of its own then).
     no_mask: torch.Tensor | dict[str, torch.Tensor] = field(init=False, repr=False)
@@ -108,7 +112,8 @@ class RowSpans:
             # A compiled pass decides from its graph's static sizes alone: no comparison
             # of kv_len (a dynamic size: each would be a guard, and a recompile once a
             # context outgrows a sliding window).
-            if layer_type != SLIDING and n == 1 and self.query_positions.shape[0] == 1:
+            one_query = n == 1 and self.query_positions.shape[0] == 1
+            if layer_type != SLIDING and one_query and not self.keys_padded:
                 return None, False
         elif self.same_start and (
             layer_type != SLIDING or self.kv_len <= self.layout.sliding_window
@@ -165,11 +170,11 @@ def row_attention(
     groups = query.shape[1] // key.shape[1]
     # On CUDA no fused kernel takes grouped heads and a mask together (flash takes no
     # mask, memory-efficient no groups): SDPA would fall to its math kernel, which
-    # materialises every score. There a masked pass copies KV out to the query heads,
-    # as transformers does; the CPU kernels take both.
-    in_place = groups > 1 and (mask is None or query.device.type == "cpu")
-    if groups > 1 and not in_place:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    # materialises every score. There a masked pass folds each group's query heads into
+    # one head's queries instead (grouped_masked_attention); the CPU kernels take both.
+    if groups > 1 and mask is not None and query.device.type != "cpu":
+        return grouped_masked_attention(query, key, value, mask, dropout, scaling), None
+    in_place = groups > 1
     out = F.scaled_dot_product_attention(
         query,
         key,
@@ -181,6 +186,39 @@ def row_attention(
         enable_gqa=in_place,
     )  # [b, heads, n, dv]
     return out.transpose(1, 2).contiguous(), None
+
+
+def grouped_masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Masked grouped-query attention without copying keys and values per query head.
+
+    Query head ``h`` reads KV head ``h // groups`` (transformers' ``repeat_kv`` order), so
+    the ``groups`` query heads of one KV head are ``groups x n`` queries of that head:
+    ``query [b, heads, n, d]`` is viewed as ``[b, kv_heads, groups * n, d]`` (row
+    ``g * n + j`` is query ``j`` of the group's ``g``-th head) and the mask ``[b|1, 1, n,
+    kv_len]`` repeated ``groups`` times along its queries. SDPA then runs one KV head per
+    head, its memory-efficient kernel taking the mask; nothing of ``[b, heads, kv_len, d]``
+    is ever written (``repeat_kv`` writes and reads it in every layer: 4x the KV traffic
+    for Llama 3's 32 / 8 heads). Returns ``[b, n, heads, dv]``."""
+    b, heads, n, d = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    folded = query.reshape(b, kv_heads, groups * n, d)
+    out = F.scaled_dot_product_attention(
+        folded,
+        key,
+        value,
+        attn_mask=mask.repeat(1, 1, groups, 1),  # [b|1, 1, groups * n, kv_len]
+        dropout_p=dropout,
+        scale=scaling,
+    )  # [b, kv_heads, groups * n, dv]
+    return out.reshape(b, heads, n, -1).transpose(1, 2).contiguous()
 
 
 # Without RowSpans the models get transformers' own SDPA masks, so the name behaves as "sdpa".

@@ -24,7 +24,15 @@ from specdec.attention import (
     decoder_config,
     exact_position_limit,
 )
-from specdec.execution import EAGER, CompiledForward, PassShape, check_execution_mode
+from specdec.cuda_graphs import GraphedForward, GraphShape, StaticInputs
+from specdec.execution import (
+    CUDA_GRAPH,
+    EAGER,
+    TORCH_COMPILE,
+    CompiledForward,
+    PassShape,
+    check_execution_mode,
+)
 from specdec.kv_budget import KVPlan, budget_bytes, device_free_bytes, kv_free_bytes, plan_slots
 from specdec.kv_cache import BatchLayout, SlotKVCache, check_transformers_version
 from specdec.kv_manager import SlotTable
@@ -122,6 +130,7 @@ class ModelRunner:
         self._row_attention = attention_backend == "rows" and impl == "sdpa"
         self._last_spans: RowSpans | None = None  # the last pass's (the probe checks it)
         self._compiled: CompiledForward | None = None  # set once the probe has run eagerly
+        self._graph_mode = False  # likewise (execution_mode="cuda_graph")
         # Passes of more queries (long prefill chunks: compute-bound, few) run eager.
         self.max_compiled_query_len = max_compiled_query_len
         if self._row_attention:
@@ -149,26 +158,39 @@ class ModelRunner:
                 max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction, kv_shared_with
             )
         self._compiled = self._compiled_forward(execution_mode, model_name)
+        # CUDA graphs (execution_mode="cuda_graph"): made at the first pass, once the slot
+        # count is known (a deferred cache is allocated later).
+        self._graph_mode = execution_mode == CUDA_GRAPH and self._usable_compiled(model_name)
+        self._graphed: GraphedForward | None = None
+        self._name = model_name
+
+    def _usable_compiled(self, name: str) -> bool:
+        """Whether a compiled or graphed pass can run: it needs attention by row positions
+        (its masks are then built from tensors, not from Python ints it would be
+        specialised on); a model without it runs eager, logged."""
+        if self._row_attention:
+            return True
+        logger.warning(
+            "%s runs eager: compiled execution needs attention by row positions "
+            "(this model attends by 4-D masks)",
+            name,
+        )
+        return False
 
     def _compiled_forward(self, mode: str, name: str) -> CompiledForward | None:
         """The compiled forward (``execution_mode="torch_compile"``), or None: eager. A
         compiled pass needs attention by rows (its masks are then built inside the graph
         from tensors of dynamic size, not from Python ints it would be specialised on); a
         model without it runs eager, logged."""
-        if mode == EAGER:
-            return None
-        if not self._row_attention:
-            logger.warning(
-                "%s runs eager: compiled execution needs attention by row positions "
-                "(this model attends by 4-D masks)",
-                name,
-            )
+        if mode != TORCH_COMPILE or not self._usable_compiled(name):
             return None
         return CompiledForward(self.model.forward, name)
 
     @property
     def execution_mode(self) -> str:
-        return EAGER if self._compiled is None else "torch_compile"
+        if self._graph_mode:
+            return CUDA_GRAPH
+        return EAGER if self._compiled is None else TORCH_COMPILE
 
     @property
     def compile_seconds(self) -> dict[PassShape, float]:
@@ -573,6 +595,10 @@ class ModelRunner:
         ):
             return self._chunked_last(seq_ids, token_ids)
         plan = self._plan_rows(seq_ids, counts)
+        if self._graph_mode and plan.n <= self.max_compiled_query_len and plan.kv_len > 1:
+            logits = self._graphed_pass(plan, token_ids)
+            if logits is not None:
+                return self._commit(seq_ids, plan, logits, last_only)
         # Compiled unless a long prefill chunk, or a one-token cache (a size of 1 would
         # be a graph of its own: a 1-token prompt's prefill runs eagerly instead).
         compiled = (
@@ -600,6 +626,94 @@ class ModelRunner:
         finally:
             self.cache.layout = None
         return self._commit(seq_ids, plan, out.logits, last_only)
+
+    # ----- CUDA graphs (execution_mode="cuda_graph", specdec.cuda_graphs) -----------------
+
+    def _graphs(self) -> GraphedForward:
+        if self._graphed is None:
+            self._graphed = GraphedForward(
+                self._static_pass,
+                device=self.device,
+                max_rows=self.max_num_seqs,
+                max_kv_len=self.cache.capacity,
+                scratch_position=self.cache.scratch_position,
+                name=self._name,
+            )
+        return self._graphed
+
+    def _graphed_pass(
+        self, plan: _RowPlan, token_ids: Sequence[Sequence[int]] | torch.Tensor
+    ) -> torch.Tensor | None:
+        """The pass as its shape's graph replayed: ``[batch, n, vocab]`` logits in slot
+        order, or None where it runs eager (more rows than a bucket, a failed recording)."""
+        graphs = self._graphs()
+        shape = graphs.shape_for(len(plan.slots), plan.n, plan.kv_len)
+        if shape is None:
+            return None
+        inputs = self._pass_inputs(plan, token_ids, compiled=True)
+        lay = inputs.layout
+        return graphs(shape, inputs.input_ids, inputs.position_ids, lay.write_positions, lay.slots)
+
+    def _static_pass(self, inputs: StaticInputs) -> torch.Tensor:
+        """The model over a graph's persistent inputs (what a CUDA graph records): keys up
+        to the shape's padded count, each query masked to its row's own prefix. Returns
+        ``[batch, queries, vocab]`` logits in the model's dtype."""
+        self.cache.layout = BatchLayout(
+            inputs.slots, inputs.write_positions, inputs.kv_range, None, None
+        )
+        spans = RowSpans(
+            self.attention, inputs.position_ids, inputs.kv_range, False, True, keys_padded=True
+        )
+        try:
+            with sdpa_backends(self.device):
+                out = self.model(
+                    input_ids=inputs.input_ids,
+                    position_ids=inputs.position_ids,
+                    past_key_values=self.cache,
+                    attention_mask=spans.model_mask(),
+                    use_cache=True,
+                    **{ROW_SPANS_KWARG: spans},
+                )
+        finally:
+            self.cache.layout = None
+        return out.logits
+
+    @torch.no_grad()
+    def record_graphs(
+        self, batches: Sequence[int], queries: Sequence[int], kv_lens: Sequence[int]
+    ) -> dict[GraphShape, float]:
+        """Record the graphs of these pass sizes now, not in the first request that needs
+        them: on scratch sequences in free slots (freed after), each size's rows prefilled
+        once and rolled back for each key count. Returns the seconds each recording took
+        (nothing off CUDA or in another mode, where nothing is recorded)."""
+        if not self._graph_mode or self.device.type != "cuda":
+            return {}
+        graphs = self._graphs()
+        for batch in sorted(set(batches)):
+            rows = [f"graph-warm-up-{i}" for i in range(batch)]
+            if batch > self.num_free_slots:
+                continue
+            longest = max(kv_lens)
+            for sid in rows:
+                self.add(sid)
+            try:
+                self.forward_padded(rows, [[0] * (longest - 1)] * batch, last_only=True)
+                for kv_len in sorted(set(kv_lens), reverse=True):
+                    for n in queries:
+                        if n >= kv_len:
+                            continue
+                        for sid in rows:
+                            self.rollback(sid, kv_len - n)
+                        self.forward_padded(rows, [[0] * n] * batch)
+            finally:
+                for sid in rows:
+                    self.free(sid)
+        return dict(graphs.record_seconds)
+
+    @property
+    def graph_record_seconds(self) -> dict[GraphShape, float]:
+        """Each recorded CUDA graph's recording time [s] (empty when none)."""
+        return {} if self._graphed is None else dict(self._graphed.record_seconds)
 
     # ----- one-token passes inside a fused graph (specdec.draft_steps) -------------------
 

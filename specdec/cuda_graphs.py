@@ -1,0 +1,198 @@
+"""A runner's passes as CUDA graphs: static shapes, persistent buffers, one replay a pass.
+
+Why: on a GPU an eager forward is the host issuing one kernel at a time, and the host, not
+the device, sets the pace. Measured on an H100 (bench.gpu, eager, bf16): every pass of the
+Llama-3.1-8B shape took 22-27 ms whatever its batch and width against a memory-bound floor
+of about 5 ms, the 1B draft's step 11 ms against 0.85 ms. A CUDA graph records a pass's
+kernels once and replays them with one launch, so the device runs them back to back.
+
+What a graph needs, and how a pass gets it here:
+
+- **Static shapes.** A graph is recorded for one :class:`GraphShape`: rows padded up to a
+  batch bucket (1, 2, 4, 8, ... up to the slot count), the pass's query length as it is
+  (1 for decode and draft steps, k + 1 for a verification; longer passes, prefill chunks,
+  run eager), and keys padded up to a multiple of ``kv_block``. Every query attends
+  through a mask built from its row's positions (:class:`specdec.row_attention.RowSpans`
+  with ``keys_padded``), so the padded keys past a row's end are never read; padded rows
+  write their keys to the cache's scratch column, which no mask lets anyone read.
+- **Persistent buffers.** Each shape owns its inputs (ids, positions, write positions,
+  slots; the key range is constant) and the pass copies its values into them; the graph
+  reads those addresses, the KV cache's and the weights' (weights load in place).
+- **No host syncs inside.** The pass reads no device value into Python (the compiled path
+  already needed that; ``tests/specdec/test_cuda_graphs.py`` counts them).
+
+Recording runs the pass eagerly twice on a side stream first (lazy initialisations,
+allocations), then records it. Both eager runs write the same keys and values the pass
+will (the same tokens at the same positions: an idempotent write), so recording a shape at
+its first real pass is exact. Graphs share one memory pool per runner: they never run
+concurrently, and each pass copies its logits out before the next replays.
+
+A shape whose recording fails runs eager from then on (logged). Off CUDA nothing is
+recorded: the same padded passes run eagerly on the buffers, which is how the tests check
+the padding's exactness on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("specserve.execution")
+
+KV_BLOCK = 256  # keys are padded up to a multiple of this [tokens]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GraphShape:
+    """The sizes one graph is recorded for."""
+
+    batch: int  # rows, the batch padded up to a bucket
+    queries: int  # tokens each row appends (padded per row to the longest)
+    kv_len: int  # keys attended, padded up to a multiple of kv_block [tokens]
+
+    def __str__(self) -> str:
+        return f"{self.batch} rows x {self.queries} queries x {self.kv_len} keys"
+
+
+@dataclass(slots=True)
+class StaticInputs:
+    """One shape's persistent inputs on the model's device (a graph reads these addresses)."""
+
+    input_ids: torch.Tensor  # [batch, queries] int64
+    position_ids: torch.Tensor  # [batch, queries] int64 each query's position
+    write_positions: torch.Tensor  # [batch, queries] int64 where its keys go in the cache
+    slots: torch.Tensor  # [batch] int64 each row's KV slot
+    kv_range: torch.Tensor  # [kv_len] int64 arange (constant)
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Row counts graphs are recorded for: powers of two below ``max_rows``, then it."""
+    buckets, b = [], 1
+    while b < max_rows:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, max_rows]
+
+
+class GraphedForward:
+    """A pass function run as one CUDA graph per :class:`GraphShape` (eagerly on the same
+    padded buffers off CUDA).
+
+    ``run(inputs)`` is the model's forward over a :class:`StaticInputs` returning logits
+    ``[batch, queries, vocab]``; it must read nothing from the device into Python.
+    ``scratch_position`` is where padded rows write; ``max_kv_len`` the cache's capacity
+    (keys can be padded up to it)."""
+
+    def __init__(
+        self,
+        run: Callable[[StaticInputs], torch.Tensor],
+        *,
+        device: torch.device,
+        max_rows: int,
+        max_kv_len: int,
+        scratch_position: int,
+        name: str,
+        kv_block: int = KV_BLOCK,
+    ):
+        self.name = name
+        self._run = run
+        self.device = device
+        self.record = device.type == "cuda"
+        self.buckets = batch_buckets(max_rows)
+        self.max_kv_len = max_kv_len
+        self.kv_block = kv_block
+        self.scratch_position = scratch_position
+        self._inputs: dict[GraphShape, StaticInputs] = {}
+        self._graphs: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[GraphShape] = set()  # shapes that run eager (recording failed)
+        self.record_seconds: dict[GraphShape, float] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.record else None
+
+    def shape_for(self, batch: int, queries: int, kv_len: int) -> GraphShape | None:
+        """The graph a pass of these sizes runs, or None: it has more rows than any bucket."""
+        rows = next((b for b in self.buckets if b >= batch), None)
+        if rows is None:
+            return None
+        keys = min(-(-kv_len // self.kv_block) * self.kv_block, self.max_kv_len)
+        return GraphShape(rows, queries, keys)
+
+    def __call__(
+        self,
+        shape: GraphShape,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        write_positions: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Run a pass of ``batch <= shape.batch`` rows (``[batch, queries]`` ids, positions
+        and write positions, ``[batch]`` slots, on the model's device); returns its logits
+        ``[batch, queries, vocab]`` (a fresh tensor: the graph's own is overwritten by the
+        next replay), or None where this shape runs eager (the caller runs the model)."""
+        if shape in self.failed:
+            return None
+        static = self._inputs.get(shape) or self._new_inputs(shape)
+        batch = input_ids.shape[0]
+        static.input_ids[:batch].copy_(input_ids)
+        static.position_ids[:batch].copy_(position_ids)
+        static.write_positions[:batch].copy_(write_positions)
+        static.slots[:batch].copy_(slots)
+        if batch < shape.batch:  # padded rows: a harmless pass written to scratch
+            static.input_ids[batch:].zero_()
+            static.position_ids[batch:].zero_()
+            static.write_positions[batch:].fill_(self.scratch_position)
+            static.slots[batch:].copy_(slots[:1].expand(shape.batch - batch))
+        if not self.record:
+            return self._run(static)[:batch].clone()
+        graph = self._graphs.get(shape)
+        if graph is None:
+            graph = self._capture(shape, static)
+            if graph is None:
+                return None
+        graph[0].replay()
+        return graph[1][:batch].clone()
+
+    def _new_inputs(self, shape: GraphShape) -> StaticInputs:
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.long, device=self.device)
+
+        static = StaticInputs(
+            input_ids=zeros(shape.batch, shape.queries),
+            position_ids=zeros(shape.batch, shape.queries),
+            write_positions=zeros(shape.batch, shape.queries),
+            slots=zeros(shape.batch),
+            kv_range=torch.arange(shape.kv_len, device=self.device),
+        )
+        self._inputs[shape] = static
+        return static
+
+    def _capture(
+        self, shape: GraphShape, static: StaticInputs
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Record ``shape``'s graph over its buffers (which hold a real pass: the eager runs
+        before recording write what the pass writes); None if that failed (then eager)."""
+        start = time.perf_counter()
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._run(static)
+        except Exception as exc:  # whatever the recording raised: this shape runs eager
+            self.failed.add(shape)
+            logger.warning(
+                "%s: %s runs eager, recording its graph failed: %r", self.name, shape, exc
+            )
+            return None
+        self._graphs[shape] = (graph, logits)
+        seconds = time.perf_counter() - start
+        self.record_seconds[shape] = seconds
+        logger.info("%s: recorded %s in %.2f s", self.name, shape, seconds)
+        return graph, logits

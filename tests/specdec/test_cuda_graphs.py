@@ -1,0 +1,132 @@
+"""CUDA-graph execution (specdec.cuda_graphs): padded static passes, exact as eager.
+
+On CUDA (``--device cuda``) every pass of a graph's shape replays its recorded graph; on
+a CPU nothing is recorded and the same padded passes (rows up to a bucket, keys up to a
+block, padded rows writing to scratch) run eagerly, so the padding's exactness is checked
+here on every machine and the recording on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from specdec.cuda_graphs import batch_buckets
+from specdec.generate import generate_speculative
+from specdec.host_syncs import HostSyncCounter
+from specdec.proposers import DraftModelProposer
+from specdec.row_attention import grouped_masked_attention
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from tests.specdec.test_families import prompts, reference
+
+KV_BLOCK = 16  # small, so that the passes here cross several key blocks
+
+
+def graphed(path: str, device: str, **kwargs) -> ModelRunner:
+    runner = ModelRunner(path, execution_mode="cuda_graph", device=device, **kwargs)
+    assert runner.execution_mode == "cuda_graph"
+    runner._graphs().kv_block = KV_BLOCK
+    return runner
+
+
+def test_batch_buckets_cover_every_row_count():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+
+
+def test_grouped_masked_attention_equals_repeated_heads():
+    """Folding each group's query heads into one KV head's queries is the attention of
+    the KV heads repeated per query head (transformers' repeat_kv), for masks per row and
+    one mask shared by the rows."""
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, n, kv_len, d = 3, 8, 2, 4, 11, 16
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k = torch.randn(b, kv_heads, kv_len, d, generator=gen)
+    v = torch.randn(b, kv_heads, kv_len, d + 4, generator=gen)  # values of another size
+    for rows in (b, 1):
+        mask = torch.rand(rows, 1, n, kv_len, generator=gen) < 0.7
+        mask[..., 0] = True  # every query reads something
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask
+        ).transpose(1, 2)
+        got = grouped_masked_attention(q, k, v, mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the wrong fold (groups taken query-major) is not the same attention
+    wrong = grouped_masked_attention(q.transpose(1, 2).reshape(b, heads, n, d), k, v, mask)
+    assert not torch.allclose(wrong, want, atol=1e-3)
+
+
+def test_graph_logits_equal_eager(tiny_target, device):
+    """Ragged passes of 1-3 rows (padded to buckets 1, 2, 4), 1-5 queries, keys crossing
+    blocks, rows out of slot order: the same logits as the eager runner's, and every
+    recording (on CUDA) succeeded."""
+    kw = dict(max_num_seqs=4, max_model_len=128)
+    runner = graphed(tiny_target, device, **kw)
+    eager = ModelRunner(tiny_target, device=device, **kw)
+    rng = random.Random(0)
+    ids = ["a", "b", "c"]
+    for r in (runner, eager):
+        r.prefill(ids, [list(range(5, 5 + 3 * i + 9)) for i in range(3)])
+    for _ in range(24):
+        rows = rng.sample(ids, rng.randint(1, 3))
+        tokens = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 5))] for _ in rows]
+        got = runner.forward(rows, tokens)
+        want = eager.forward(rows, tokens)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        for sid in rows:  # roll some back, as rejected drafts are
+            back = runner.length(sid) - rng.randint(0, 2)
+            runner.rollback(sid, back)
+            eager.rollback(sid, back)
+    graphs = runner._graphs()
+    assert not graphs.failed
+    assert {s.batch for s in graphs._inputs} >= {1, 2, 4}  # 3 rows ran padded to 4
+    assert len({s.kv_len for s in graphs._inputs}) >= 2
+    if torch.device(device).type == "cuda":
+        assert graphs.record_seconds.keys() == graphs._inputs.keys()
+
+
+def test_a_graphed_pass_reads_nothing_from_the_device(tiny_target, device):
+    """A recorded pass must not read a device value into Python (a recording would fail
+    there): the runner's whole graphed pass, padding included, reads none."""
+    runner = graphed(tiny_target, device, max_num_seqs=4, max_model_len=64)
+    runner.prefill(["a", "b", "c"], [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    with HostSyncCounter() as syncs:
+        runner.forward_padded(["c", "a", "b"], [[1, 2], [3], [4, 5]])
+        runner.forward_padded(["a"], [[6]], last_only=True)
+    assert syncs.total == 0, syncs.by_site
+
+
+# Grouped heads with a padded vocabulary, one window for all layers, sliding and full
+# layers mixed, learned positions, latent attention (keys and values of other sizes).
+GRAPH_FAMILIES = ["llama3", "qwen2.5", "mistral", "gemma3", "gpt2", "deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", GRAPH_FAMILIES)
+def test_graph_greedy_speculation_equals_generate(name, family_models, device):
+    """Greedy speculative decoding with target and draft on graphs gives transformers'
+    greedy output (prompts longer than the windows); no recording failed."""
+    target_dir, draft_dir, tok_dir = family_models[name]
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    target = graphed(target_dir, device, max_num_seqs=2, max_model_len=256)
+    draft = graphed(draft_dir, device, max_num_seqs=2, max_model_len=256)
+    proposer = DraftModelProposer(
+        draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
+    )
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).to(device)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    accepted = 0
+    for prompt in prompts(tokenizer)[:2]:
+        spec = generate_speculative(target, proposer, prompt, params, 4)
+        assert spec.token_ids == reference(hf, prompt, new_tokens=20), name
+        accepted += spec.num_accepted
+    assert accepted > 0
+    queries = {s.queries for s in target._graphs()._inputs}
+    assert 5 in queries  # verifications of 4 drafts ran on graphs
+    assert not target._graphs().failed and not draft._graphs().failed
