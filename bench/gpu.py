@@ -432,7 +432,7 @@ def main(argv=None) -> None:
         name: {str(shape): s for shape, s in runner.warm_up().items()}
         for name, runner in (("target", target), ("draft", draft))
     }
-    if args.execution_mode == "cuda_graph":
+    if target.device.type == "cuda" and args.execution_mode != "eager":
         results["record_s"] = record_graphs(target, draft, args, length)
     save("warm-up")
     results["agreement"] = agreement(target, models[0], args, gen)

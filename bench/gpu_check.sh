@@ -11,7 +11,8 @@
 #   graph_tests: tests/specdec/test_cuda_graphs.py on the GPU (the graphs are exact);
 #   graphs:      bench.gpu with the runners on CUDA graphs (cuda_graph), peers included;
 #   eager:       bench.gpu with the eager runners (the reference), peers included;
-#   compiled:    bench.gpu with Inductor graphs (torch_compile), without the peers;
+#   compiled:    bench.gpu with Inductor's kernels (torch_compile; on CUDA recorded as CUDA
+#                graphs), without the peers;
 #   tests:       all of tests/specdec on the GPU.
 # Measured on an H100 (2026-11-26): the eager section took 276 s up to the static-compile
 # peer (whose warm-up is 32 s); the compiled section did not finish compiling the 8B and
@@ -54,7 +55,7 @@ for check in ${CHECKS:-graph_tests graphs eager tests}; do
     eager) box eager "${EAGER_S:-300}" "$py" -m bench.gpu --out "$out/eager" ${BENCH_ARGS:-} \
         ${EAGER_ARGS:-} ;;
     compiled) box compiled "${COMPILED_S:-160}" "$py" -m bench.gpu --execution-mode torch_compile \
-        --no-peers --out "$out/compiled" ${BENCH_ARGS:-} ;;
+        --no-peers --out "$out/compiled" ${BENCH_ARGS:-} ${COMPILED_ARGS:-} ;;
     tests) box tests "${TESTS_S:-100}" "${pytest[@]}" $workers tests/specdec ;;
     *) echo "[gpu_check] unknown check $check" | tee -a "$out/summary.txt" ;;
     esac

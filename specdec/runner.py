@@ -158,9 +158,14 @@ class ModelRunner:
                 max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction, kv_shared_with
             )
         self._compiled = self._compiled_forward(execution_mode, model_name)
-        # CUDA graphs (execution_mode="cuda_graph"): made at the first pass, once the slot
-        # count is known (a deferred cache is allocated later).
-        self._graph_mode = execution_mode == CUDA_GRAPH and self._usable_compiled(model_name)
+        # CUDA graphs, of the eager kernels ("cuda_graph") or, on CUDA, of the Inductor
+        # graphs ("torch_compile", as torch.compile's reduce-overhead, but with the runner's
+        # static buffers): made at the first pass of each shape, once the slot count is
+        # known (a deferred cache is allocated later).
+        graphs = execution_mode == CUDA_GRAPH or (
+            execution_mode == TORCH_COMPILE and self.device.type == "cuda"
+        )
+        self._graph_mode = graphs and self._usable_compiled(model_name)
         self._graphed: GraphedForward | None = None
         self._name = model_name
 
@@ -188,9 +193,9 @@ class ModelRunner:
 
     @property
     def execution_mode(self) -> str:
-        if self._graph_mode:
-            return CUDA_GRAPH
-        return EAGER if self._compiled is None else TORCH_COMPILE
+        if self._compiled is not None:
+            return TORCH_COMPILE
+        return CUDA_GRAPH if self._graph_mode else EAGER
 
     @property
     def compile_seconds(self) -> dict[PassShape, float]:
@@ -664,16 +669,28 @@ class ModelRunner:
         spans = RowSpans(
             self.attention, inputs.position_ids, inputs.kv_range, False, True, keys_padded=True
         )
+        kwargs = dict(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            past_key_values=self.cache,
+            attention_mask=spans.model_mask(),
+            use_cache=True,
+            **{ROW_SPANS_KWARG: spans},
+        )
         try:
             with sdpa_backends(self.device):
-                out = self.model(
-                    input_ids=inputs.input_ids,
-                    position_ids=inputs.position_ids,
-                    past_key_values=self.cache,
-                    attention_mask=spans.model_mask(),
-                    use_cache=True,
-                    **{ROW_SPANS_KWARG: spans},
-                )
+                if self._compiled is None:
+                    out = self.model(**kwargs)
+                else:  # Inductor's kernels recorded (its graph per PassShape, sizes dynamic)
+                    batch, n = inputs.input_ids.shape
+                    dynamic = [
+                        (inputs.input_ids, (0, 1)),
+                        (inputs.position_ids, (0, 1)),
+                        (inputs.write_positions, (0, 1)),
+                        (inputs.slots, (0,)),
+                        (inputs.kv_range, (0,)),
+                    ]
+                    out = self._compiled(PassShape(batch == 1, n == 1), dynamic, **kwargs)
         finally:
             self.cache.layout = None
         return out.logits
