@@ -33,6 +33,7 @@ measured.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import random
 import time
@@ -406,6 +407,9 @@ def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int) ->
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # Each graph's compile and recording time as it happens (a run cut short by its time
+    # box still says how far it got).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     check_transformers_version()  # before minutes of model building, not after
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     gen = random.Random(0)
