@@ -44,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.common import commit, median
 from specdec.cuda_graphs import KV_BLOCK
-from specdec.execution import EXECUTION_MODES
+from specdec.execution import EXECUTION_MODES, default_execution_mode
 from specdec.kv_cache import check_transformers_version
 from specdec.runner import ModelRunner
 
@@ -329,12 +329,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--execution-mode",
-        default="eager",
+        default=None,
         choices=list(EXECUTION_MODES),
-        help="how SpecServe's runners execute (specdec.execution): compiled ones warm up "
-        "first, cuda_graph records every measured shape's graph first",
+        help="how SpecServe's runners execute (specdec.execution; default: what a server "
+        "runs on the device, cuda_graph on CUDA): compiled ones warm up first, and on CUDA "
+        "every measured shape's graph is recorded first",
     )
     args = ap.parse_args(argv)
+    args.execution_mode = args.execution_mode or default_execution_mode(
+        torch.device(args.device).type
+    )
     if max(args.ks) < 1 or not all(0 < a < 1 for a in args.alphas):
         ap.error("speculation needs some k >= 1 in --ks and every --alphas in (0, 1)")
     small = args.smoke
@@ -350,35 +354,6 @@ def served_length(args) -> int:
     k = max(args.ks)
     rounds = max(math.ceil(args.new_tokens * (1 - a) / (1 - a ** (k + 1))) for a in args.alphas)
     return args.context + max(rounds * (k + 1), args.new_tokens) + k + 2
-
-
-def agreement(target: ModelRunner, model, args, gen, new_tokens: int = 32) -> dict:
-    """Greedy tokens of the runner (in its execution mode) against transformers' eager
-    ``generate`` on one prompt: how many of the first ``new_tokens`` agree before the first
-    difference. A sanity check, not exactness (the exactness tests are tests/specdec): bf16
-    random weights leave near-ties that another kernel's rounding may break."""
-    vocab = target.input_vocab_size
-    prompt = [gen.randrange(vocab) for _ in range(args.context)]
-    last = target.prefill(["check"], [prompt]).argmax(dim=-1)  # [1]
-    ours = [int(last.item())]
-    for _ in range(new_tokens - 1):
-        last = target.forward_padded(["check"], last[:, None], last_only=True).argmax(dim=-1)
-        ours.append(int(last.item()))
-    free_rows(target)
-    ids = torch.tensor([prompt], device=model.device)
-    theirs = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
-    return {
-        "tokens": new_tokens,
-        "agree_before_first_difference": new_tokens if same is None else same,
-    }
 
 
 def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int) -> dict:
@@ -439,8 +414,6 @@ def main(argv=None) -> None:
     if target.device.type == "cuda" and args.execution_mode != "eager":
         results["record_s"] = record_graphs(target, draft, args, length)
     save("warm-up")
-    results["agreement"] = agreement(target, models[0], args, gen)
-    save("agreement")
     bw = results["bandwidth_gb_s"] * 1e9
     results["passes"] = measure_passes(target, draft, args, gen, bw)
     save("passes")

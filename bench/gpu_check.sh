@@ -52,8 +52,8 @@ for check in ${CHECKS:-graph_tests graphs eager tests}; do
     graph_tests) box graph_tests "${GRAPH_TESTS_S:-100}" "${pytest[@]}" tests/specdec/test_cuda_graphs.py ;;
     graphs) box graphs "${GRAPHS_S:-220}" "$py" -m bench.gpu --execution-mode cuda_graph \
         --out "$out/graphs" ${BENCH_ARGS:-} ${GRAPHS_ARGS:-} ;;
-    eager) box eager "${EAGER_S:-300}" "$py" -m bench.gpu --out "$out/eager" ${BENCH_ARGS:-} \
-        ${EAGER_ARGS:-} ;;
+    eager) box eager "${EAGER_S:-300}" "$py" -m bench.gpu --execution-mode eager --out "$out/eager" \
+        ${BENCH_ARGS:-} ${EAGER_ARGS:-} ;;
     compiled) box compiled "${COMPILED_S:-160}" "$py" -m bench.gpu --execution-mode torch_compile \
         --no-peers --out "$out/compiled" ${BENCH_ARGS:-} ${COMPILED_ARGS:-} ;;
     tests) box tests "${TESTS_S:-100}" "${pytest[@]}" $workers tests/specdec ;;
@@ -85,8 +85,6 @@ for mode in ("graphs", "eager", "compiled"):
         print(f"  {batch}: tokens/s " + ", ".join(parts))
     for key, v in r.get("transformers_batch1", {}).items():
         print(f"  transformers {key}: {v:.1f}" if isinstance(v, float) else f"  transformers {key}: {v}")
-    if "agreement" in r:
-        print(f"  agreement with transformers: {r['agreement']}")
     for name, rec in r.get("record_s", {}).items():
         print(f"  {name}: {rec['graphs']} graphs recorded in {rec['total_s']} s")
 EOF

@@ -100,7 +100,7 @@ class ModelSpec(_Strict):
         "per padded pass shape, each at the first pass of its shape, in well under a second; "
         "longer passes such as prefill chunks and shapes that fail to record run eager). "
         "Unset: what bench.costs measured faster on the worker's device type "
-        "(cpu: torch_compile; cuda: eager). Unrelated to speculation.transport.",
+        "(cpu: torch_compile; cuda: cuda_graph). Unrelated to speculation.transport.",
     )
     compile_cache_dir: str = Field(
         default="~/.cache/specserve/torch-compile",

@@ -24,8 +24,10 @@ What a graph needs, and how a pass gets it here:
 Recording runs the pass eagerly twice on a side stream first (lazy initialisations,
 allocations), then records it. Both eager runs write the same keys and values the pass
 will (the same tokens at the same positions: an idempotent write), so recording a shape at
-its first real pass is exact. Graphs share one memory pool per runner: they never run
-concurrently, and each pass copies its logits out before the next replays.
+its first real pass is exact. Graphs share one memory pool per runner (they never run
+concurrently) and, per batch and query count, one logits buffer that each pass copies out
+of before the next replays; a runner keeps at most ``max_graphs`` graphs, dropping the
+least recently replayed (recorded again, in a fraction of a second, when next needed).
 
 A shape whose recording fails runs eager from then on (logged). Off CUDA nothing is
 recorded: the same padded passes run eagerly on the buffers, which is how the tests check
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +47,10 @@ import torch
 logger = logging.getLogger("specserve.execution")
 
 KV_BLOCK = 256  # keys are padded up to a multiple of this [tokens]
+# Graphs a runner keeps (least recently replayed dropped first): a server meets a shape
+# per batch bucket, query length and key block (6 x 3 x 32 for 32 rows, k = 4 and 8192
+# tokens), each holding its kernels' launch state on the device.
+MAX_GRAPHS = 256
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -84,8 +91,8 @@ class GraphedForward:
 
     ``run(inputs)`` is the model's forward over a :class:`StaticInputs` returning logits
     ``[batch, queries, vocab]``; it must read nothing from the device into Python.
-    ``scratch_position`` is where padded rows write; ``max_kv_len`` the cache's capacity
-    (keys can be padded up to it)."""
+    ``scratch_position`` is where padded rows write; ``max_kv_len`` the most keys a pass
+    reads (keys are padded up to it, never past)."""
 
     def __init__(
         self,
@@ -97,6 +104,7 @@ class GraphedForward:
         scratch_position: int,
         name: str,
         kv_block: int = KV_BLOCK,
+        max_graphs: int = MAX_GRAPHS,
     ):
         self.name = name
         self._run = run
@@ -106,10 +114,17 @@ class GraphedForward:
         self.max_kv_len = max_kv_len
         self.kv_block = kv_block
         self.scratch_position = scratch_position
+        self.max_graphs = max_graphs
         self._inputs: dict[GraphShape, StaticInputs] = {}
-        self._graphs: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Recorded graphs, least recently replayed first (the first out past max_graphs).
+        self._graphs: OrderedDict[GraphShape, torch.cuda.CUDAGraph] = OrderedDict()
+        # Logits [batch, queries, vocab] in the model's dtype, one per (batch, queries) and
+        # shared by that size's graphs of every key count: each graph copies its logits
+        # here, so memory grows with the sizes seen, not with the contexts.
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.failed: set[GraphShape] = set()  # shapes that run eager (recording failed)
         self.record_seconds: dict[GraphShape, float] = {}
+        self.evicted = 0  # graphs dropped past max_graphs (recorded again when next needed)
         self._pool = torch.cuda.graph_pool_handle() if self.record else None
 
     def shape_for(self, batch: int, queries: int, kv_len: int) -> GraphShape | None:
@@ -152,8 +167,9 @@ class GraphedForward:
             graph = self._capture(shape, static)
             if graph is None:
                 return None
-        graph[0].replay()
-        return graph[1][:batch].clone()
+        self._graphs.move_to_end(shape)
+        graph.replay()
+        return self._outputs[shape.batch, shape.queries][:batch].clone()
 
     def _new_inputs(self, shape: GraphShape) -> StaticInputs:
         def zeros(*size: int) -> torch.Tensor:
@@ -169,9 +185,7 @@ class GraphedForward:
         self._inputs[shape] = static
         return static
 
-    def _capture(
-        self, shape: GraphShape, static: StaticInputs
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+    def _capture(self, shape: GraphShape, static: StaticInputs) -> torch.cuda.CUDAGraph | None:
         """Record ``shape``'s graph over its buffers (which hold a real pass: the eager runs
         before recording write what the pass writes); None if that failed (then eager)."""
         start = time.perf_counter()
@@ -180,19 +194,29 @@ class GraphedForward:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._run(static)
+                    logits = self._run(static)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            key = (shape.batch, shape.queries)
+            if key not in self._outputs:
+                self._outputs[key] = torch.empty_like(logits)
+            out = self._outputs[key]
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._run(static)
+            # thread_local: another thread's CUDA calls (a draft drafting in the overlap
+            # mode) do not break this recording, nor does it break theirs.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out.copy_(self._run(static))
         except Exception as exc:  # whatever the recording raised: this shape runs eager
             self.failed.add(shape)
             logger.warning(
                 "%s: %s runs eager, recording its graph failed: %r", self.name, shape, exc
             )
             return None
-        self._graphs[shape] = (graph, logits)
+        self._graphs[shape] = graph
+        if len(self._graphs) > self.max_graphs:
+            old, _ = self._graphs.popitem(last=False)
+            del self._inputs[old]
+            self.evicted += 1
         seconds = time.perf_counter() - start
         self.record_seconds[shape] = seconds
         logger.info("%s: recorded %s in %.2f s", self.name, shape, seconds)
-        return graph, logits
+        return graph

@@ -184,7 +184,10 @@ def test_gpu_smoke_on_cpu(results, monkeypatch):
     each pass against its floor, oracle speculation at both α, transformers' three modes
     (torch.compile included)."""
     argv = ["--device", "cpu", "--smoke", "--batches", "1", "8", "--reps", "1"]
+    # the runners' padded static passes (CUDA graphs on a GPU; here the same passes eager)
+    argv += ["--execution-mode", "cuda_graph"]
     payload = run_main(monkeypatch, "bench.gpu", argv, results, "gpu_smoke")
+    assert payload["settings"]["execution_mode"] == "cuda_graph"
     out = payload["results"]
     assert payload["settings"]["smoke"] and payload["settings"]["target"] == "llama-3.1-8b"
     assert set(out["passes"]["verify"]) == {

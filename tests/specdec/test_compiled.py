@@ -264,7 +264,7 @@ def test_settings_and_cache_dir(tmp_path, tiny_draft):
     with pytest.raises(ValueError, match="execution_mode"):
         ModelRunner(tiny_draft, execution_mode="fast")
     assert default_execution_mode("cpu") == "torch_compile"
-    assert default_execution_mode("cuda") == "eager"
+    assert default_execution_mode("cuda") == "cuda_graph"
     path = compile_cache_dir(tmp_path)
     assert path.parent == tmp_path and torch.__version__.split("+")[0] in path.name
     eager = ModelRunner(tiny_draft)

@@ -65,9 +65,11 @@ def test_grouped_masked_attention_equals_repeated_heads():
 def test_graph_logits_equal_eager(tiny_target, device):
     """Ragged passes of 1-3 rows (padded to buckets 1, 2, 4), 1-5 queries, keys crossing
     blocks, rows out of slot order: the same logits as the eager runner's, and every
-    recording (on CUDA) succeeded."""
+    recording (on CUDA) succeeded, with graphs dropped past the runner's bound and
+    recorded again when needed."""
     kw = dict(max_num_seqs=4, max_model_len=128)
     runner = graphed(tiny_target, device, **kw)
+    runner._graphs().max_graphs = 6
     eager = ModelRunner(tiny_target, device=device, **kw)
     rng = random.Random(0)
     ids = ["a", "b", "c"]
@@ -89,7 +91,8 @@ def test_graph_logits_equal_eager(tiny_target, device):
     assert {s.batch for s in graphs._inputs} >= {1, 2, 4}  # 3 rows ran padded to 4
     assert len({s.kv_len for s in graphs._inputs}) >= 2
     if torch.device(device).type == "cuda":
-        assert graphs.record_seconds.keys() == graphs._inputs.keys()
+        assert set(graphs._graphs) == set(graphs._inputs) <= set(graphs.record_seconds)
+        assert len(graphs._graphs) == 6 and graphs.evicted > 0
 
 
 def test_a_graphed_pass_reads_nothing_from_the_device(tiny_target, device):
