@@ -248,6 +248,53 @@ def measure_passes(target, draft, args, gen, bw: float) -> dict:
     return out
 
 
+def profile_passes(target, draft, args, gen, top: int = 15) -> dict:
+    """Where a pass's device time goes (``--profile``): torch's profiler over ``args.reps``
+    batch-1 passes each of a verification (k + 1 positions, k the largest of ``--ks``) and
+    a draft step, kernels inside CUDA graph replays included. Per pass: wall ms, device ms
+    (the kernels' total), kernel launches, and the ``top`` kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if target.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    out: dict = {}
+    for name, runner, n in (
+        ("verify", target, max(args.ks) + 1),
+        ("draft_step", draft, 1),
+    ):
+        ids = start_rows(runner, 1, args.context, gen)
+        pass_ms(runner, ids, n, 1)  # recorded / warm before the profile
+        with profile(activities=activities) as prof:
+            wall = pass_ms(runner, ids, n, args.reps)
+        free_rows(runner)
+        device_events = [
+            e
+            for e in prof.key_averages()
+            if getattr(e, "device_type", None) is not None
+            and str(e.device_type).endswith("CUDA")
+            and e.self_device_time_total > 0
+        ]
+        kernels = sorted(device_events, key=lambda e: e.self_device_time_total, reverse=True)
+        passes = args.reps + 1  # pass_ms runs one more, untimed
+        out[name] = {
+            "wall_ms": round(wall, 4),
+            "device_ms_per_pass": round(
+                sum(e.self_device_time_total for e in kernels) / 1e3 / passes, 4
+            ),
+            "kernels_per_pass": round(sum(e.count for e in kernels) / passes, 1),
+            "top_kernels": [
+                {
+                    "name": e.key[:120],
+                    "ms_per_pass": round(e.self_device_time_total / 1e3 / passes, 4),
+                    "calls_per_pass": round(e.count / passes, 1),
+                }
+                for e in kernels[:top]
+            ],
+        }
+    return out
+
+
 def measure_decoding(target, draft, args, gen) -> dict:
     """Plain and oracle-speculative tokens/s per batch (k = the largest of ``--ks``)."""
     k = max(args.ks)
@@ -321,6 +368,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip transformers + compile")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers altogether")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile a batch-1 verification and draft step first (device time per kernel)",
+    )
     ap.add_argument(
         "--out",
         type=Path,
@@ -415,6 +467,9 @@ def main(argv=None) -> None:
         results["record_s"] = record_graphs(target, draft, args, length)
     save("warm-up")
     bw = results["bandwidth_gb_s"] * 1e9
+    if args.profile:  # first: the likeliest question a lease is for
+        results["profile"] = profile_passes(target, draft, args, gen)
+        save("profile")
     results["passes"] = measure_passes(target, draft, args, gen, bw)
     save("passes")
     results["decoding"] = measure_decoding(target, draft, args, gen)

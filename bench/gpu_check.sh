@@ -9,7 +9,8 @@
 # runs out loses only its own section). The checks, in the order CHECKS names them
 # (default "graph_tests graphs eager tests"):
 #   graph_tests: tests/specdec/test_cuda_graphs.py on the GPU (the graphs are exact);
-#   graphs:      bench.gpu with the runners on CUDA graphs (cuda_graph), peers included;
+#   graphs:      bench.gpu with the runners on CUDA graphs (cuda_graph), a profile of a
+#                verification and a draft step first, peers included;
 #   eager:       bench.gpu with the eager runners (the reference), peers included;
 #   compiled:    bench.gpu with Inductor's kernels (torch_compile; on CUDA recorded as CUDA
 #                graphs), without the peers;
@@ -50,7 +51,7 @@ pytest=("$py" -m pytest -q --maxfail=20 -p no:cacheprovider --device "${TEST_DEV
 for check in ${CHECKS:-graph_tests graphs eager tests}; do
     case $check in
     graph_tests) box graph_tests "${GRAPH_TESTS_S:-100}" "${pytest[@]}" tests/specdec/test_cuda_graphs.py ;;
-    graphs) box graphs "${GRAPHS_S:-220}" "$py" -m bench.gpu --execution-mode cuda_graph \
+    graphs) box graphs "${GRAPHS_S:-220}" "$py" -m bench.gpu --execution-mode cuda_graph --profile \
         --out "$out/graphs" ${BENCH_ARGS:-} ${GRAPHS_ARGS:-} ;;
     eager) box eager "${EAGER_S:-300}" "$py" -m bench.gpu --execution-mode eager --out "$out/eager" \
         ${BENCH_ARGS:-} ${EAGER_ARGS:-} ;;
@@ -85,6 +86,11 @@ for mode in ("graphs", "eager", "compiled"):
         print(f"  {batch}: tokens/s " + ", ".join(parts))
     for key, v in r.get("transformers_batch1", {}).items():
         print(f"  transformers {key}: {v:.1f}" if isinstance(v, float) else f"  transformers {key}: {v}")
+    for name, prof in r.get("profile", {}).items():
+        print(f"  profile {name}: wall {prof['wall_ms']} ms, device {prof['device_ms_per_pass']} ms, "
+              f"{prof['kernels_per_pass']} kernels")
+        for k in prof["top_kernels"][:6]:
+            print(f"    {k['ms_per_pass']:.3f} ms x{k['calls_per_pass']}: {k['name'][:90]}")
     for name, rec in r.get("record_s", {}).items():
         print(f"  {name}: {rec['graphs']} graphs recorded in {rec['total_s']} s")
 EOF
