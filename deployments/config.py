@@ -119,6 +119,14 @@ class ModelSpec(_Strict):
     def _one_kv_budget(self) -> ModelSpec:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_fraction is not None:
             raise ValueError("set kv_cache_memory_bytes or kv_cache_memory_fraction, not both")
+        if self.execution_mode == "cuda_graph" and not (
+            self.device == "auto" or self.device.startswith("cuda")
+        ):
+            raise ValueError(
+                f"execution_mode 'cuda_graph' needs a CUDA device, not device={self.device!r} "
+                "(on a CPU it would run padded passes with no graph: use 'torch_compile' or "
+                "'eager', or leave execution_mode unset)"
+            )
         return self
 
     @field_validator("model", "tokenizer")

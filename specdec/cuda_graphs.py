@@ -51,6 +51,11 @@ KV_BLOCK = 256  # keys are padded up to a multiple of this [tokens]
 # per batch bucket, query length and key block (6 x 3 x 32 for 32 rows, k = 4 and 8192
 # tokens), each holding its kernels' launch state on the device.
 MAX_GRAPHS = 256
+MAX_FAILURES = 3  # failed recordings after which a runner stops trying
+# Queries a graphed pass may have: decode and draft steps (1), verifications of up to 7
+# drafts. Longer passes (short prompts, a long prompt's last chunk) run eager: each length
+# would be graphs of its own, and their logits buffers [rows, queries, vocab] grow with it.
+MAX_GRAPH_QUERY_LEN = 8
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -125,6 +130,10 @@ class GraphedForward:
         self.failed: set[GraphShape] = set()  # shapes that run eager (recording failed)
         self.record_seconds: dict[GraphShape, float] = {}
         self.evicted = 0  # graphs dropped past max_graphs (recorded again when next needed)
+        # After this many failed recordings nothing more is tried (a model whose forward
+        # reads the device, DeepSeek-V3's experts in float32: each try costs two passes).
+        self.max_failures = MAX_FAILURES
+        self.disabled = False
         self._pool = torch.cuda.graph_pool_handle() if self.record else None
 
     def shape_for(self, batch: int, queries: int, kv_len: int) -> GraphShape | None:
@@ -147,7 +156,7 @@ class GraphedForward:
         and write positions, ``[batch]`` slots, on the model's device); returns its logits
         ``[batch, queries, vocab]`` (a fresh tensor: the graph's own is overwritten by the
         next replay), or None where this shape runs eager (the caller runs the model)."""
-        if shape in self.failed:
+        if shape in self.failed or self.disabled:
             return None
         static = self._inputs.get(shape) or self._new_inputs(shape)
         batch = input_ids.shape[0]
@@ -170,6 +179,19 @@ class GraphedForward:
         self._graphs.move_to_end(shape)
         graph.replay()
         return self._outputs[shape.batch, shape.queries][:batch].clone()
+
+    def _failed(self, shape: GraphShape, exc: Exception) -> None:
+        """``shape`` runs eager from now on (logged); past ``max_failures`` every shape."""
+        self.failed.add(shape)
+        self._inputs.pop(shape, None)
+        logger.warning("%s: %s runs eager, recording its graph failed: %r", self.name, shape, exc)
+        if len(self.failed) >= self.max_failures and not self.disabled:
+            self.disabled = True
+            logger.warning(
+                "%s: %d recordings failed; every pass runs eager from now on",
+                self.name,
+                len(self.failed),
+            )
 
     def _new_inputs(self, shape: GraphShape) -> StaticInputs:
         def zeros(*size: int) -> torch.Tensor:
@@ -201,15 +223,19 @@ class GraphedForward:
                 self._outputs[key] = torch.empty_like(logits)
             out = self._outputs[key]
             graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls (a draft drafting in the overlap
-            # mode) do not break this recording, nor does it break theirs.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            # On this runner's own stream and device (torch's default recording stream is
+            # one per process, made on whichever device was current: a runner on another
+            # device would record nothing). thread_local: another thread's CUDA calls do
+            # not break this recording, nor does it break theirs.
+            with (
+                torch.cuda.device(self.device),
+                torch.cuda.graph(
+                    graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+                ),
+            ):
                 out.copy_(self._run(static))
         except Exception as exc:  # whatever the recording raised: this shape runs eager
-            self.failed.add(shape)
-            logger.warning(
-                "%s: %s runs eager, recording its graph failed: %r", self.name, shape, exc
-            )
+            self._failed(shape, exc)
             return None
         self._graphs[shape] = graph
         if len(self._graphs) > self.max_graphs:

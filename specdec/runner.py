@@ -24,7 +24,13 @@ from specdec.attention import (
     decoder_config,
     exact_position_limit,
 )
-from specdec.cuda_graphs import GraphedForward, GraphShape, StaticInputs
+from specdec.cuda_graphs import (
+    MAX_GRAPH_QUERY_LEN,
+    GraphedForward,
+    GraphShape,
+    StaticInputs,
+    batch_buckets,
+)
 from specdec.execution import (
     CUDA_GRAPH,
     EAGER,
@@ -162,10 +168,17 @@ class ModelRunner:
         # graphs ("torch_compile", as torch.compile's reduce-overhead, but with the runner's
         # static buffers): made at the first pass of each shape, once the slot count is
         # known (a deferred cache is allocated later).
-        graphs = execution_mode == CUDA_GRAPH or (
-            execution_mode == TORCH_COMPILE and self.device.type == "cuda"
-        )
-        self._graph_mode = graphs and self._usable_compiled(model_name)
+        if execution_mode == CUDA_GRAPH:
+            self._graph_mode = self._usable_compiled(model_name)
+            if self.device.type != "cuda":
+                logger.warning(
+                    "%s: cuda_graph on %s records nothing: its padded passes run eagerly "
+                    "(a check of the padding, slower than eager)",
+                    model_name,
+                    self.device,
+                )
+        else:  # (a torch_compile runner without row attention has said why: no _compiled)
+            self._graph_mode = self._compiled is not None and self.device.type == "cuda"
         self._graphed: GraphedForward | None = None
         self._name = model_name
 
@@ -208,8 +221,18 @@ class ModelRunner:
         each :class:`PassShape` once, on scratch sequences in free slots (freed after), then
         freeze (a pass that would need another graph runs eager instead of compiling in a
         request). Returns the seconds each graph took; nothing when eager, or when no slot
-        is free. With one slot the several-row shapes are never needed, so never built."""
-        if self._compiled is None or self.num_free_slots == 0 or self.max_model_len < 8:
+        is free. With one slot the several-row shapes are never needed, so never built.
+        With CUDA graphs of the eager kernels (nothing to compile), records the decode
+        graphs of every row bucket at the first key block (on CUDA; a fraction of a second
+        each)."""
+        if self._compiled is None:  # eager, or CUDA graphs of the eager kernels: record
+            # the decode graphs of the first key block (every other shape at its first pass)
+            free = self.num_free_slots
+            if not (self._graph_mode and self.device.type == "cuda" and free):
+                return {}
+            first = min(self._graphs().kv_block, self.max_model_len)
+            return self.record_graphs(batch_buckets(free), [1], [first])
+        if self.num_free_slots == 0 or self.max_model_len < 8:
             return {}
         rows = ["warm-up-0", "warm-up-1"][: min(2, self.num_free_slots)]
         n = max(2, min(3, self.max_compiled_query_len, self.max_model_len // 4))
@@ -600,7 +623,7 @@ class ModelRunner:
         ):
             return self._chunked_last(seq_ids, token_ids)
         plan = self._plan_rows(seq_ids, counts)
-        if self._graph_mode and plan.n <= self.max_compiled_query_len and plan.kv_len > 1:
+        if self._graph_mode and plan.n <= MAX_GRAPH_QUERY_LEN and plan.kv_len > 1:
             logits = self._graphed_pass(plan, token_ids)
             if logits is not None:
                 return self._commit(seq_ids, plan, logits, last_only)

@@ -259,3 +259,13 @@ def test_an_unset_draft_context_follows_the_target():
     assert both_unset.draft.max_model_len is None and both_unset.target.max_model_len is None
     own = {"model": "d", "max_model_len": 4096}
     assert EngineConfig.model_validate({"target": longer, "draft": own}).draft.max_model_len == 4096
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    """Recording CUDA graphs needs CUDA: on a CPU the mode would pad every pass and record
+    nothing, so a config that asks for it there is refused, naming both settings."""
+    for device in ("auto", "cuda", "cuda:0"):
+        spec = {"model": "t", "device": device, "execution_mode": "cuda_graph"}
+        assert cfg(target=spec).target.execution_mode == "cuda_graph"
+    with pytest.raises(ValidationError, match="execution_mode 'cuda_graph' needs a CUDA"):
+        cfg(target={"model": "t", "device": "cpu", "execution_mode": "cuda_graph"})

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from specdec.cuda_graphs import batch_buckets
+from specdec.cuda_graphs import MAX_GRAPH_QUERY_LEN, GraphShape, batch_buckets
 from specdec.generate import generate_speculative
 from specdec.host_syncs import HostSyncCounter
 from specdec.proposers import DraftModelProposer
@@ -38,6 +38,28 @@ def test_batch_buckets_cover_every_row_count():
     assert batch_buckets(1) == [1]
     assert batch_buckets(6) == [1, 2, 4, 6]
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+
+
+def test_repeated_recording_failures_turn_graphs_off(tiny_target, device, caplog):
+    """A model whose passes cannot be recorded stops paying two passes and a failed
+    recording for each new shape: after three failures every pass runs eager (logged),
+    and each failed shape's buffers are let go."""
+    runner = graphed(tiny_target, device, max_num_seqs=2, max_model_len=64)
+    graphs = runner._graphs()
+    shapes = [GraphShape(1, q, 16) for q in (1, 2, 3)]
+    for shape in shapes[:2]:
+        graphs._new_inputs(shape)
+        graphs._failed(shape, RuntimeError("a host read"))
+        assert not graphs.disabled and shape not in graphs._inputs
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    args = (ids, ids, ids, torch.zeros(1, dtype=torch.long))
+    assert graphs(shapes[0], *args) is None  # a failed shape: the caller runs eager
+    with caplog.at_level("WARNING", logger="specserve.execution"):
+        graphs._failed(shapes[2], RuntimeError("a host read"))
+    assert graphs.disabled and "every pass runs eager" in caplog.text
+    assert graphs(GraphShape(1, 4, 16), *args) is None
+    runner.prefill(["a"], [[5, 6, 7]])  # and the runner still answers, eagerly
+    assert runner.forward(["a"], [[8]])[0].shape[0] == 1
 
 
 def test_grouped_masked_attention_equals_repeated_heads():
@@ -75,18 +97,33 @@ def test_graph_logits_equal_eager(tiny_target, device):
     ids = ["a", "b", "c"]
     for r in (runner, eager):
         r.prefill(ids, [list(range(5, 5 + 3 * i + 9)) for i in range(3)])
-    for _ in range(24):
+    held = None  # a result kept across later passes must not change (no view of a buffer)
+    for step in range(24):
+        if step == 12:  # "a" leaves (the last slot's row moves into its place), "d" joins
+            for r in (runner, eager):
+                r.free("a")
+                r.prefill(["d"], [list(range(20, 31))])
+            ids = ["b", "c", "d"]
         rows = rng.sample(ids, rng.randint(1, 3))
         tokens = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 5))] for _ in rows]
         got = runner.forward(rows, tokens)
         want = eager.forward(rows, tokens)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        if held is not None:
+            torch.testing.assert_close(held[0], held[1], rtol=0, atol=0)
+        held = (got[0], got[0].clone())
         for sid in rows:  # roll some back, as rejected drafts are
             back = runner.length(sid) - rng.randint(0, 2)
             runner.rollback(sid, back)
             eager.rollback(sid, back)
+    # a verification longer than a graph takes runs eager, the same
+    long = [list(range(30, 42))]
+    torch.testing.assert_close(
+        runner.forward(["b"], long)[0], eager.forward(["b"], long)[0], rtol=1e-4, atol=1e-4
+    )
     graphs = runner._graphs()
+    assert max(s.queries for s in graphs._inputs) <= MAX_GRAPH_QUERY_LEN < 12
     assert not graphs.failed
     assert {s.batch for s in graphs._inputs} >= {1, 2, 4}  # 3 rows ran padded to 4
     assert len({s.kv_len for s in graphs._inputs}) >= 2
