@@ -16,16 +16,15 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from specdec.execution import PassShape, compile_cache_dir, default_execution_mode
-from specdec.generate import generate_speculative
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 from tests.model_families import FAMILIES
-from tests.specdec.test_families import prompts, reference
+from tests.specdec.test_families import assert_greedy_speculation_is_generate
 
 ALL_SHAPES = {PassShape(r, q) for r in (True, False) for q in (True, False)}
 
@@ -241,18 +240,7 @@ def test_compiled_family_greedy_equals_generate(name, family_models, device):
     # family's exactness rests on the target's graphs (compiled drafts, fused steps
     # included, are compared with eager ones in test_draft_steps.py, for three families).
     draft = ModelRunner(draft_dir, execution_mode="eager", **kw)
-    proposer = DraftModelProposer(
-        draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
-    )
-    hf = AutoModelForCausalLM.from_pretrained(target_dir).to(device)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    accepted = 0
-    for prompt in prompts(tokenizer)[:2]:
-        ref = reference(hf, prompt, new_tokens=16)
-        spec = generate_speculative(target, proposer, prompt, params, 4)
-        assert spec.token_ids == ref, name
-        accepted += spec.num_accepted
-    assert accepted > 0
+    assert_greedy_speculation_is_generate(target, draft, target_dir, tokenizer, 16)
     if mode == "torch_compile":
         assert target.compile_seconds and not target._compiled.eager_shapes
         # (in a process that compiled other families' models before: none of theirs here)

@@ -12,17 +12,14 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from specdec.cuda_graphs import MAX_GRAPH_QUERY_LEN, GraphShape, batch_buckets
-from specdec.generate import generate_speculative
 from specdec.host_syncs import HostSyncCounter
-from specdec.proposers import DraftModelProposer
 from specdec.row_attention import grouped_masked_attention
 from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from tests.specdec.test_families import prompts, reference
+from tests.specdec.test_families import assert_greedy_speculation_is_generate
 
 KV_BLOCK = 16  # small, so that the passes here cross several key blocks
 
@@ -162,17 +159,7 @@ def test_graph_greedy_speculation_equals_generate(name, family_models, device):
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     target = graphed(target_dir, device, max_num_seqs=2, max_model_len=256)
     draft = graphed(draft_dir, device, max_num_seqs=2, max_model_len=256)
-    proposer = DraftModelProposer(
-        draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
-    )
-    hf = AutoModelForCausalLM.from_pretrained(target_dir).to(device)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    accepted = 0
-    for prompt in prompts(tokenizer)[:2]:
-        spec = generate_speculative(target, proposer, prompt, params, 4)
-        assert spec.token_ids == reference(hf, prompt, new_tokens=20), name
-        accepted += spec.num_accepted
-    assert accepted > 0
+    assert_greedy_speculation_is_generate(target, draft, target_dir, tokenizer, 20)
     queries = {s.queries for s in target._graphs()._inputs}
     assert 5 in queries  # verifications of 4 drafts ran on graphs
     if torch.device(device).type == "cuda" and name in UNRECORDABLE_ON_CUDA:

@@ -45,6 +45,25 @@ def reference(
     return ids[: stops[0]] if stops else ids
 
 
+def assert_greedy_speculation_is_generate(
+    target: ModelRunner, draft: ModelRunner, target_dir: str, tokenizer, new_tokens: int
+) -> None:
+    """Greedy speculative decoding (k = 4) of two prompts gives transformers' greedy
+    ``generate`` of the target, with some drafts accepted (the drafts' ids limited to
+    what both models and the tokenizer know)."""
+    proposer = DraftModelProposer(
+        draft, vocab_limit=min(target.vocab_size, draft.vocab_size, len(tokenizer))
+    )
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).to(target.device)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    accepted = 0
+    for prompt in prompts(tokenizer)[:2]:
+        spec = generate_speculative(target, proposer, prompt, params, 4)
+        assert spec.token_ids == reference(hf, prompt, new_tokens=new_tokens), target_dir
+        accepted += spec.num_accepted
+    assert accepted > 0
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_greedy_equals_generate_with_drafts_accepted(name, family_models, device):
     target_dir, draft_dir, tok_dir = family_models[name]
