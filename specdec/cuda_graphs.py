@@ -90,7 +90,120 @@ def batch_buckets(max_rows: int) -> list[int]:
     return [*buckets, max_rows]
 
 
-class GraphedForward:
+def padded_keys(kv_len: int, kv_block: int, max_kv_len: int) -> int:
+    """Keys a graph attends for a pass reading ``kv_len``: up to a multiple of
+    ``kv_block``, at most ``max_kv_len`` (a pass never reads past it)."""
+    return min(-(-kv_len // kv_block) * kv_block, max_kv_len)
+
+
+class GraphRecorder:
+    """One CUDA graph per key, each over that key's persistent inputs: recorded at the
+    key's first replay, replayed after; off CUDA the function runs eagerly on the inputs.
+
+    ``run(inputs)`` returns a tensor or a tuple of tensors and must read nothing from the
+    device into Python. Its outputs are returned as fresh tensors (the graph's own are
+    overwritten by the next replay), each cut to its first ``rows`` rows. With ``share``,
+    a single-tensor output is copied into one buffer per share key (graphs of one size
+    and several key counts then hold one output between them)."""
+
+    def __init__(self, run: Callable, *, device: torch.device, name: str, max_graphs: int):
+        self.name = name
+        self._run = run
+        self.device = device
+        self.record = device.type == "cuda"
+        self.max_graphs = max_graphs
+        self.inputs: dict = {}  # key -> its persistent inputs
+        # Recorded graphs and their outputs, least recently replayed first.
+        self.graphs: OrderedDict = OrderedDict()
+        self._shared: dict = {}  # share key -> output buffer
+        self.failed: set = set()  # keys that run eager (recording failed)
+        self.record_seconds: dict = {}
+        self.evicted = 0  # graphs dropped past max_graphs (recorded again when next needed)
+        # After this many failed recordings nothing more is tried (a model whose forward
+        # reads the device, DeepSeek-V3's experts in float32: each try costs two passes).
+        self.max_failures = MAX_FAILURES
+        self.disabled = False
+        self._pool = torch.cuda.graph_pool_handle() if self.record else None
+
+    def replay(self, key, rows: int, share=None):
+        """The outputs of ``key``'s graph over its inputs (which the caller has filled),
+        cut to ``rows`` rows; None where ``key`` runs eager (the caller runs it)."""
+        if key in self.failed or self.disabled:
+            return None
+        static = self.inputs[key]
+        if not self.record:
+            return _cut(self._run(static), rows)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, static, share)
+            if entry is None:
+                return None
+        self.graphs.move_to_end(key)
+        entry[0].replay()
+        return _cut(entry[1], rows)
+
+    def _capture(self, key, static, share):
+        """Record ``key``'s graph over its inputs (which hold a real call: the eager runs
+        before recording write what the call writes); None if that failed (then eager)."""
+        start = time.perf_counter()
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    result = self._run(static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if share is not None and share not in self._shared:
+                self._shared[share] = torch.empty_like(result)
+            graph = torch.cuda.CUDAGraph()
+            # On this runner's own stream and device (torch's default recording stream is
+            # one per process, made on whichever device was current: a runner on another
+            # device would record nothing). thread_local: another thread's CUDA calls do
+            # not break this recording, nor does it break theirs.
+            with (
+                torch.cuda.device(self.device),
+                torch.cuda.graph(
+                    graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+                ),
+            ):
+                result = self._run(static)
+                if share is not None:
+                    result = self._shared[share].copy_(result)
+        except Exception as exc:  # whatever the recording raised: this key runs eager
+            self._failed(key, exc)
+            return None
+        self.graphs[key] = (graph, result)
+        if len(self.graphs) > self.max_graphs:
+            old, _ = self.graphs.popitem(last=False)
+            del self.inputs[old]
+            self.evicted += 1
+        seconds = time.perf_counter() - start
+        self.record_seconds[key] = seconds
+        logger.info("%s: recorded %s in %.2f s", self.name, key, seconds)
+        return self.graphs[key]
+
+    def _failed(self, key, exc: Exception) -> None:
+        """``key`` runs eager from now on (logged); past ``max_failures`` every key."""
+        self.failed.add(key)
+        self.inputs.pop(key, None)
+        logger.warning("%s: %s runs eager, recording its graph failed: %r", self.name, key, exc)
+        if len(self.failed) >= self.max_failures and not self.disabled:
+            self.disabled = True
+            logger.warning(
+                "%s: %d recordings failed; every pass runs eager from now on",
+                self.name,
+                len(self.failed),
+            )
+
+
+def _cut(result, rows: int):
+    """Fresh copies of the first ``rows`` rows of a tensor or of each tensor of a tuple."""
+    if isinstance(result, torch.Tensor):
+        return result[:rows].clone()
+    return tuple(t[:rows].clone() for t in result)
+
+
+class GraphedForward(GraphRecorder):
     """A pass function run as one CUDA graph per :class:`GraphShape` (eagerly on the same
     padded buffers off CUDA).
 
@@ -111,38 +224,18 @@ class GraphedForward:
         kv_block: int = KV_BLOCK,
         max_graphs: int = MAX_GRAPHS,
     ):
-        self.name = name
-        self._run = run
-        self.device = device
-        self.record = device.type == "cuda"
+        super().__init__(run, device=device, name=name, max_graphs=max_graphs)
         self.buckets = batch_buckets(max_rows)
         self.max_kv_len = max_kv_len
         self.kv_block = kv_block
         self.scratch_position = scratch_position
-        self.max_graphs = max_graphs
-        self._inputs: dict[GraphShape, StaticInputs] = {}
-        # Recorded graphs, least recently replayed first (the first out past max_graphs).
-        self._graphs: OrderedDict[GraphShape, torch.cuda.CUDAGraph] = OrderedDict()
-        # Logits [batch, queries, vocab] in the model's dtype, one per (batch, queries) and
-        # shared by that size's graphs of every key count: each graph copies its logits
-        # here, so memory grows with the sizes seen, not with the contexts.
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.failed: set[GraphShape] = set()  # shapes that run eager (recording failed)
-        self.record_seconds: dict[GraphShape, float] = {}
-        self.evicted = 0  # graphs dropped past max_graphs (recorded again when next needed)
-        # After this many failed recordings nothing more is tried (a model whose forward
-        # reads the device, DeepSeek-V3's experts in float32: each try costs two passes).
-        self.max_failures = MAX_FAILURES
-        self.disabled = False
-        self._pool = torch.cuda.graph_pool_handle() if self.record else None
 
     def shape_for(self, batch: int, queries: int, kv_len: int) -> GraphShape | None:
         """The graph a pass of these sizes runs, or None: it has more rows than any bucket."""
         rows = next((b for b in self.buckets if b >= batch), None)
         if rows is None:
             return None
-        keys = min(-(-kv_len // self.kv_block) * self.kv_block, self.max_kv_len)
-        return GraphShape(rows, queries, keys)
+        return GraphShape(rows, queries, padded_keys(kv_len, self.kv_block, self.max_kv_len))
 
     def __call__(
         self,
@@ -154,11 +247,11 @@ class GraphedForward:
     ) -> torch.Tensor | None:
         """Run a pass of ``batch <= shape.batch`` rows (``[batch, queries]`` ids, positions
         and write positions, ``[batch]`` slots, on the model's device); returns its logits
-        ``[batch, queries, vocab]`` (a fresh tensor: the graph's own is overwritten by the
-        next replay), or None where this shape runs eager (the caller runs the model)."""
+        ``[batch, queries, vocab]`` (a fresh tensor), or None where this shape runs eager
+        (the caller runs the model)."""
         if shape in self.failed or self.disabled:
             return None
-        static = self._inputs.get(shape) or self._new_inputs(shape)
+        static = self.inputs.get(shape) or self._new_inputs(shape)
         batch = input_ids.shape[0]
         static.input_ids[:batch].copy_(input_ids)
         static.position_ids[:batch].copy_(position_ids)
@@ -169,29 +262,7 @@ class GraphedForward:
             static.position_ids[batch:].zero_()
             static.write_positions[batch:].fill_(self.scratch_position)
             static.slots[batch:].copy_(slots[:1].expand(shape.batch - batch))
-        if not self.record:
-            return self._run(static)[:batch].clone()
-        graph = self._graphs.get(shape)
-        if graph is None:
-            graph = self._capture(shape, static)
-            if graph is None:
-                return None
-        self._graphs.move_to_end(shape)
-        graph.replay()
-        return self._outputs[shape.batch, shape.queries][:batch].clone()
-
-    def _failed(self, shape: GraphShape, exc: Exception) -> None:
-        """``shape`` runs eager from now on (logged); past ``max_failures`` every shape."""
-        self.failed.add(shape)
-        self._inputs.pop(shape, None)
-        logger.warning("%s: %s runs eager, recording its graph failed: %r", self.name, shape, exc)
-        if len(self.failed) >= self.max_failures and not self.disabled:
-            self.disabled = True
-            logger.warning(
-                "%s: %d recordings failed; every pass runs eager from now on",
-                self.name,
-                len(self.failed),
-            )
+        return self.replay(shape, batch, share=(shape.batch, shape.queries))
 
     def _new_inputs(self, shape: GraphShape) -> StaticInputs:
         def zeros(*size: int) -> torch.Tensor:
@@ -204,45 +275,5 @@ class GraphedForward:
             slots=zeros(shape.batch),
             kv_range=torch.arange(shape.kv_len, device=self.device),
         )
-        self._inputs[shape] = static
+        self.inputs[shape] = static
         return static
-
-    def _capture(self, shape: GraphShape, static: StaticInputs) -> torch.cuda.CUDAGraph | None:
-        """Record ``shape``'s graph over its buffers (which hold a real pass: the eager runs
-        before recording write what the pass writes); None if that failed (then eager)."""
-        start = time.perf_counter()
-        try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    logits = self._run(static)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            key = (shape.batch, shape.queries)
-            if key not in self._outputs:
-                self._outputs[key] = torch.empty_like(logits)
-            out = self._outputs[key]
-            graph = torch.cuda.CUDAGraph()
-            # On this runner's own stream and device (torch's default recording stream is
-            # one per process, made on whichever device was current: a runner on another
-            # device would record nothing). thread_local: another thread's CUDA calls do
-            # not break this recording, nor does it break theirs.
-            with (
-                torch.cuda.device(self.device),
-                torch.cuda.graph(
-                    graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
-                ),
-            ):
-                out.copy_(self._run(static))
-        except Exception as exc:  # whatever the recording raised: this shape runs eager
-            self._failed(shape, exc)
-            return None
-        self._graphs[shape] = graph
-        if len(self._graphs) > self.max_graphs:
-            old, _ = self._graphs.popitem(last=False)
-            del self._inputs[old]
-            self.evicted += 1
-        seconds = time.perf_counter() - start
-        self.record_seconds[shape] = seconds
-        logger.info("%s: recorded %s in %.2f s", self.name, shape, seconds)
-        return graph

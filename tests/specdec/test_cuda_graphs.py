@@ -47,7 +47,7 @@ def test_repeated_recording_failures_turn_graphs_off(tiny_target, device, caplog
     for shape in shapes[:2]:
         graphs._new_inputs(shape)
         graphs._failed(shape, RuntimeError("a host read"))
-        assert not graphs.disabled and shape not in graphs._inputs
+        assert not graphs.disabled and shape not in graphs.inputs
     ids = torch.zeros(1, 1, dtype=torch.long)
     args = (ids, ids, ids, torch.zeros(1, dtype=torch.long))
     assert graphs(shapes[0], *args) is None  # a failed shape: the caller runs eager
@@ -120,13 +120,13 @@ def test_graph_logits_equal_eager(tiny_target, device):
         runner.forward(["b"], long)[0], eager.forward(["b"], long)[0], rtol=1e-4, atol=1e-4
     )
     graphs = runner._graphs()
-    assert max(s.queries for s in graphs._inputs) <= MAX_GRAPH_QUERY_LEN < 12
+    assert max(s.queries for s in graphs.inputs) <= MAX_GRAPH_QUERY_LEN < 12
     assert not graphs.failed
-    assert {s.batch for s in graphs._inputs} >= {1, 2, 4}  # 3 rows ran padded to 4
-    assert len({s.kv_len for s in graphs._inputs}) >= 2
+    assert {s.batch for s in graphs.inputs} >= {1, 2, 4}  # 3 rows ran padded to 4
+    assert len({s.kv_len for s in graphs.inputs}) >= 2
     if torch.device(device).type == "cuda":
-        assert set(graphs._graphs) == set(graphs._inputs) <= set(graphs.record_seconds)
-        assert len(graphs._graphs) == 6 and graphs.evicted > 0
+        assert set(graphs.graphs) == set(graphs.inputs) <= set(graphs.record_seconds)
+        assert len(graphs.graphs) == 6 and graphs.evicted > 0
 
 
 def test_a_graphed_pass_reads_nothing_from_the_device(tiny_target, device):
@@ -160,7 +160,7 @@ def test_graph_greedy_speculation_equals_generate(name, family_models, device):
     target = graphed(target_dir, device, max_num_seqs=2, max_model_len=256)
     draft = graphed(draft_dir, device, max_num_seqs=2, max_model_len=256)
     assert_greedy_speculation_is_generate(target, draft, target_dir, tokenizer, 20)
-    queries = {s.queries for s in target._graphs()._inputs}
+    queries = {s.queries for s in target._graphs().inputs}
     assert 5 in queries  # verifications of 4 drafts ran on graphs
     if torch.device(device).type == "cuda" and name in UNRECORDABLE_ON_CUDA:
         assert target._graphs().failed and not target._graphs().record_seconds
