@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.cuda_graphs import KV_BLOCK, MAX_GRAPHS, GraphRecorder, batch_buckets, padded_keys
 from specdec.execution import CompiledForward
 from specdec.row_attention import sdpa_backends
 from specdec.runner import ModelRunner
@@ -236,12 +237,22 @@ class FusedDraftSteps:
         min_confidence: torch.Tensor,  # [] float32
         steps: int,
         top_m: int,
+        padded: torch.Tensor | None = None,  # [batch] bool: a CUDA graph's padded rows
     ):
-        """The traced body: ``steps`` passes, each fed the argmax of the one before."""
+        """The traced body: ``steps`` passes, each fed the argmax of the one before. In a
+        CUDA graph (``padded`` given) every step reads the same padded ``kv_range``, each
+        row masked to its own prefix, and padded rows write to the scratch column."""
         drafts, top_ids, top_p = [], [], []
         for j in range(steps):
-            keys = torch.arange(kv_range.shape[0] + j, device=kv_range.device)
-            logits = self.runner.step_logits(tokens, positions + j, slots, keys)  # [batch, V]
+            if padded is None:
+                keys = torch.arange(kv_range.shape[0] + j, device=kv_range.device)
+                logits = self.runner.step_logits(tokens, positions + j, slots, keys)
+            else:
+                at = positions + j  # [batch, 1]
+                writes = at.masked_fill(padded[:, None], self.runner.cache.scratch_position)
+                logits = self.runner.step_logits(
+                    tokens, at, slots, kv_range, writes, keys_padded=True
+                )  # [batch, V]
             logits = logits.masked_fill(self._vocab >= vocab_limit, float("-inf"))
             lse = logits.logsumexp(dim=-1, keepdim=True)  # [batch, 1]
             if top_m:  # the likeliest token heads the top-m, as in the step-by-step path
@@ -307,3 +318,185 @@ class FusedDraftSteps:
             time.perf_counter() - started,
         )
         return self.compile_seconds
+
+
+# Steps one recorded graph runs (GraphedDraftSteps): any round of up to 8 drafts is one
+# graph, one replay (recording is cheap: no compile).
+GRAPH_STEP_SIZES = tuple(range(1, 9))
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class StepsGraph:
+    """Which recorded graph of draft steps runs: sizes and settings it is recorded for."""
+
+    batch: int  # rows, padded up to a bucket
+    steps: int  # one-token passes in the graph
+    top_m: int  # likeliest tokens recorded per step (0: argmax only)
+    kv_len: int  # keys every step attends, padded up to a multiple of KV_BLOCK [tokens]
+
+    def __str__(self) -> str:
+        return (
+            f"{self.batch} rows x {self.steps} draft steps (top {self.top_m}) x {self.kv_len} keys"
+        )
+
+
+@dataclass(slots=True)
+class _StepsInputs:
+    """One :class:`StepsGraph`'s persistent inputs on the draft's device."""
+
+    tokens: torch.Tensor  # [batch] int64 fed at the first step
+    positions: torch.Tensor  # [batch, 1] int64 where the first step's tokens go
+    slots: torch.Tensor  # [batch] int64
+    padded: torch.Tensor  # [batch] bool: rows past the call's (written to scratch)
+    counts: torch.Tensor  # [batch] int64 drafts per row so far
+    live: torch.Tensor  # [batch] bool rows the confidence stop has not ended
+    first_step: torch.Tensor  # [] int64
+    vocab_limit: torch.Tensor  # [] int64
+    min_confidence: torch.Tensor  # [] float32
+    kv_range: torch.Tensor  # [kv_len] int64 arange (constant)
+    steps: int
+    top_m: int
+
+
+class GraphedDraftSteps(FusedDraftSteps):
+    """A draft on CUDA graphs (``execution_mode="cuda_graph"``): a round's one-token steps
+    as one recorded graph of up to 8 steps, replayed with one launch (the model, the
+    argmax or top-m, the draft's probabilities and the confidence stop on the device). Rows
+    are padded up to a power-of-two bucket and keys up to a 256-token block, as the
+    runner's own graphs (:mod:`specdec.cuda_graphs`); off CUDA the same padded steps run
+    eagerly. A graph that cannot be recorded runs its steps eagerly (logged)."""
+
+    def __init__(self, runner: ModelRunner, name: str, sizes: tuple[int, ...] = GRAPH_STEP_SIZES):
+        super().__init__(runner, name, sizes, max_rows_steps=max(sizes))
+        self.recorder = GraphRecorder(
+            self._run_inputs,
+            device=runner.device,
+            name=f"{name} draft steps",
+            max_graphs=MAX_GRAPHS,
+        )
+
+    @property
+    def compile_seconds(self) -> dict[StepsGraph, float]:
+        return dict(self.recorder.record_seconds)
+
+    @property
+    def eager_shapes(self) -> set[StepsGraph]:
+        return set(self.recorder.failed)
+
+    def can_run(self, seq_ids: Sequence[Hashable], steps: int, top_m: int) -> bool:
+        longest = max(self.runner.length(sid) for sid in seq_ids)
+        fits = longest >= 1 and longest + steps <= self.runner.max_model_len
+        return fits and not self.recorder.disabled
+
+    @torch.no_grad()
+    def run(
+        self,
+        seq_ids: Sequence[Hashable],
+        tokens: torch.Tensor,
+        *,
+        steps: int,
+        first_step: int,
+        num_draft_tokens: torch.Tensor,
+        k: int,
+        vocab_limit: int,
+        min_confidence: float,
+        top_m: int,
+    ) -> FusedSteps:
+        """As :meth:`FusedDraftSteps.run`, through the graph of the call's padded sizes."""
+        runner = self.runner
+        rows = runner.step_rows(seq_ids, steps)
+        batch = len(seq_ids)
+        bucket = next(b for b in batch_buckets(runner.max_num_seqs) if b >= batch)
+        longest = rows.kv_range.shape[0] - 1 + steps  # keys the last step reads
+        key = StepsGraph(bucket, steps, top_m, padded_keys(longest, KV_BLOCK, runner.max_model_len))
+        try:
+            out = None
+            if key not in self.recorder.failed and not self.recorder.disabled:
+                static = self.recorder.inputs.get(key) or self._new_inputs(key)
+                self._fill(static, batch, tokens, rows, num_draft_tokens, k)
+                static.first_step.fill_(first_step)
+                static.vocab_limit.fill_(vocab_limit)
+                static.min_confidence.fill_(min_confidence)
+                with sdpa_backends(runner.device):
+                    out = self.recorder.replay(key, batch)
+            if out is None:  # not recordable: these steps eagerly, unpadded
+                with sdpa_backends(runner.device):
+                    out = self._steps(
+                        tokens=tokens,
+                        positions=rows.positions,
+                        slots=rows.slots,
+                        kv_range=rows.kv_range,
+                        counts=num_draft_tokens,
+                        live=num_draft_tokens == k,
+                        first_step=self._scalar("first_step", first_step, torch.long),
+                        vocab_limit=self._scalar("vocab_limit", vocab_limit, torch.long),
+                        min_confidence=self._scalar(
+                            "min_confidence", min_confidence, torch.float32
+                        ),
+                        steps=steps,
+                        top_m=top_m,
+                    )
+        finally:
+            runner.end_steps()
+        runner.advance(seq_ids, steps)
+        drafts, top_ids, top_p, counts = out
+        if not top_m:
+            top_ids = top_p = None
+        return FusedSteps(drafts, top_ids, top_p, counts)
+
+    def _fill(self, static: _StepsInputs, batch: int, tokens, rows, counts, k: int) -> None:
+        """The call's rows into the first ``batch`` rows; the rest padded (their token 0 at
+        position 0 of the first row's slot, written to scratch, never live)."""
+        static.tokens[:batch].copy_(tokens)
+        static.positions[:batch].copy_(rows.positions)
+        static.slots[:batch].copy_(rows.slots)
+        static.padded[:batch].fill_(False)
+        static.counts[:batch].copy_(counts)
+        static.live[:batch].copy_(counts == k)
+        if batch < static.tokens.shape[0]:
+            static.tokens[batch:].zero_()
+            static.positions[batch:].zero_()
+            static.slots[batch:].copy_(rows.slots[:1].expand(static.tokens.shape[0] - batch))
+            static.padded[batch:].fill_(True)
+            static.counts[batch:].zero_()
+            static.live[batch:].fill_(False)
+
+    def _new_inputs(self, key: StepsGraph) -> _StepsInputs:
+        dev = self.runner.device
+
+        def zeros(*size: int, dtype=torch.long) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, device=dev)
+
+        static = _StepsInputs(
+            tokens=zeros(key.batch),
+            positions=zeros(key.batch, 1),
+            slots=zeros(key.batch),
+            padded=zeros(key.batch, dtype=torch.bool),
+            counts=zeros(key.batch),
+            live=zeros(key.batch, dtype=torch.bool),
+            first_step=zeros(),
+            vocab_limit=zeros(),
+            min_confidence=zeros(dtype=torch.float32),
+            kv_range=torch.arange(key.kv_len, device=dev),
+            steps=key.steps,
+            top_m=key.top_m,
+        )
+        self.recorder.inputs[key] = static
+        return static
+
+    def _run_inputs(self, static: _StepsInputs):
+        """The steps over a graph's persistent inputs (what a recording runs)."""
+        return self._steps(
+            tokens=static.tokens,
+            positions=static.positions,
+            slots=static.slots,
+            kv_range=static.kv_range,
+            counts=static.counts,
+            live=static.live,
+            first_step=static.first_step,
+            vocab_limit=static.vocab_limit,
+            min_confidence=static.min_confidence,
+            steps=static.steps,
+            top_m=static.top_m,
+            padded=static.padded,
+        )

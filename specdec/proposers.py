@@ -15,8 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.draft_steps import FusedDraftSteps, chunk_sizes, confidence_stop, top_candidates
-from specdec.execution import TORCH_COMPILE, seconds_by_name
+from specdec.draft_steps import (
+    FusedDraftSteps,
+    GraphedDraftSteps,
+    chunk_sizes,
+    confidence_stop,
+    top_candidates,
+)
+from specdec.execution import CUDA_GRAPH, TORCH_COMPILE, seconds_by_name
 from specdec.low_rank import LowRankUpdate
 from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import dequantize_q, quantize_q
@@ -114,9 +120,12 @@ class DraftModelProposer(Proposer):
         self.weights_version = 0  # weights loaded since construction (load_weights)
         # A compiled draft runs a round's one-token steps in graphs of several (greedy
         # batches; specdec.draft_steps), else step by step.
+        name = str(runner.config.name_or_path or "draft")
         self.fused = (
-            FusedDraftSteps(runner, str(runner.config.name_or_path or "draft"))
+            FusedDraftSteps(runner, name)
             if runner.execution_mode == TORCH_COMPILE
+            else GraphedDraftSteps(runner, name)
+            if runner.execution_mode == CUDA_GRAPH
             else None
         )
 

@@ -781,6 +781,8 @@ class ModelRunner:
         positions: torch.Tensor,
         slots: torch.Tensor,
         kv_range: torch.Tensor,
+        write_positions: torch.Tensor | None = None,
+        keys_padded: bool = False,
     ) -> torch.Tensor:
         """One token per row through the model, written to the rows' slots: traced inside a
         fused graph, so it reads no Python value that changes between rounds (the cache's
@@ -788,13 +790,17 @@ class ModelRunner:
 
         tokens: [batch] int64; positions: [batch, 1] int64 where each goes; slots:
         [batch] int64; kv_range: [kv_len] int64 arange, keys every row is given (each
-        reads only up to its own position). Returns ``[batch, vocab]`` float32 logits."""
+        reads only up to its own position). A CUDA graph's step (specdec.cuda_graphs)
+        gives ``write_positions`` ([batch, 1]: its padded rows write to the scratch
+        column) and ``keys_padded`` (keys past the longest row: every row masked).
+        Returns ``[batch, vocab]`` float32 logits."""
         ids = tokens[:, None]  # [batch, 1]
         if self.vocab_size > self.input_vocab_size:  # an id with no embedding row: fed as 0
             ids = torch.where(ids < self.input_vocab_size, ids, torch.zeros_like(ids))
-        self.cache.layout = BatchLayout(slots, positions, kv_range, None, None)
+        writes = positions if write_positions is None else write_positions
+        self.cache.layout = BatchLayout(slots, writes, kv_range, None, None)
         # (compiled runners attend by rows: a mask per row, built in the graph)
-        spans = RowSpans(self.attention, positions, kv_range, False, True)
+        spans = RowSpans(self.attention, positions, kv_range, False, True, keys_padded=keys_padded)
         out = self.model(
             input_ids=ids,
             position_ids=positions,
