@@ -44,6 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.common import commit, median
 from specdec.cuda_graphs import KV_BLOCK
+from specdec.draft_steps import GraphedDraftSteps
 from specdec.execution import EXECUTION_MODES, default_execution_mode
 from specdec.kv_cache import check_transformers_version
 from specdec.runner import ModelRunner
@@ -169,8 +170,16 @@ class OracleRound:
     them; the draft also lags by the tokens it has not seen (the k-th draft of a round
     whose drafts were all accepted)."""
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner, ids: list[str], k: int):
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: ModelRunner,
+        ids: list[str],
+        k: int,
+        fused: GraphedDraftSteps | None = None,
+    ):
         self.target, self.draft, self.ids, self.k = target, draft, ids, k
+        self.fused = fused  # a round's draft steps as one graph (else step by step)
         self.committed = {sid: [1] * (target.length(sid) + 1) for sid in ids}
 
     def run(self, alpha: float, rng: random.Random) -> int:
@@ -194,6 +203,8 @@ class OracleRound:
     def _draft(self) -> list[list[int]]:
         """k draft steps: the unseen committed tokens, then each draft."""
         feeds = [self.committed[sid][self.draft.length(sid) :] for sid in self.ids]
+        if self.fused is not None:
+            return self._draft_fused(feeds)
         drafts: list[list[int]] = [[] for _ in self.ids]
         for _ in range(self.k):
             step = tokens_of(self.draft.forward_padded(self.ids, feeds, last_only=True))
@@ -202,15 +213,44 @@ class OracleRound:
             feeds = [[tok] for tok in step]
         return drafts
 
+    def _draft_fused(self, feeds: list[list[int]]) -> list[list[int]]:
+        """The k steps as one graph of k (every row feeding one token: the usual round),
+        or one ordinary pass and a graph of k - 1 (a row feeding two: all accepted)."""
+        dev, k = self.draft.device, self.k
+        done = []
+        if all(len(f) == 1 for f in feeds):
+            tokens = torch.tensor([f[0] for f in feeds], device=dev)  # [batch]
+        else:
+            tokens = self.draft.forward_padded(self.ids, feeds, last_only=True).argmax(-1)
+            done.append(tokens[:, None])
+        steps = k - len(done)
+        if steps:
+            counts = torch.full((len(self.ids),), k, dtype=torch.long, device=dev)
+            out = self.fused.run(
+                self.ids,
+                tokens,
+                steps=steps,
+                first_step=k - steps,
+                num_draft_tokens=counts,
+                k=k,
+                vocab_limit=self.draft.vocab_size,
+                min_confidence=0.0,
+                top_m=0,
+            )
+            done.append(out.draft_token_ids)  # [batch, steps]
+        return torch.cat(done, dim=1).tolist()  # [batch, k]
 
-def speculative_decode(target, draft, batch, context, new_tokens, k, alpha, gen) -> dict:
+
+def speculative_decode(
+    target, draft, batch, context, new_tokens, k, alpha, gen, fused=None
+) -> dict:
     """Tokens/s of greedy speculative decoding with the oracle's acceptance ``alpha``."""
     ids = start_rows(target, batch, context, gen)
     for sid in ids:
         draft.add(sid)
     draft.forward_padded(ids, [[1] * context for _ in ids], last_only=True)
     rounds = math.ceil(new_tokens / ((1 - alpha ** (k + 1)) / (1 - alpha)))
-    spec = OracleRound(target, draft, ids, k)
+    spec = OracleRound(target, draft, ids, k, fused)
     sync(target.device)
     t0 = time.perf_counter()
     tokens = sum(spec.run(alpha, gen) for _ in range(rounds))
@@ -224,8 +264,9 @@ def speculative_decode(target, draft, batch, context, new_tokens, k, alpha, gen)
     }
 
 
-def measure_passes(target, draft, args, gen, bw: float) -> dict:
-    """ms per verification at (batch, k + 1) and per draft step, against their floors."""
+def measure_passes(target, draft, args, gen, bw: float, fused=None) -> dict:
+    """ms per verification at (batch, k + 1) and per draft step, against their floors; with
+    ``fused``, ms per round of k draft steps run as one graph."""
     out: dict = {"verify": {}, "draft_step": {}}
     weights = {"target": weight_bytes(target.model), "draft": weight_bytes(draft.model)}
     for batch in args.batches:
@@ -245,7 +286,43 @@ def measure_passes(target, draft, args, gen, bw: float) -> dict:
                     "floor_fraction": round(floor / ms, 4),
                 }
             free_rows(runner)
+        if fused is not None:  # k draft steps as one graph, against k single steps
+            k = max(args.ks)
+            ids = start_rows(draft, batch, args.context, gen)
+            ms = fused_round_ms(draft, fused, ids, k, args.reps)
+            single = out["draft_step"][f"batch {batch}"]["ms"]
+            out.setdefault("draft_round", {})[f"batch {batch}, {k} steps"] = {
+                "ms": round(ms, 4),
+                "ms_per_step": round(ms / k, 4),
+                "vs_single_steps": round(ms / (k * single), 4),
+            }
+            free_rows(draft)
     return out
+
+
+def fused_round_ms(draft: ModelRunner, fused, ids: list[str], k: int, reps: int) -> float:
+    """ms of ``k`` draft steps of every row as one graph (rolled back after each)."""
+    lengths = [draft.length(sid) for sid in ids]
+    tokens = torch.ones(len(ids), dtype=torch.long, device=draft.device)
+    counts = torch.full_like(tokens, k)
+
+    def one():
+        out = fused.run(
+            ids,
+            tokens,
+            steps=k,
+            first_step=0,
+            num_draft_tokens=counts,
+            k=k,
+            vocab_limit=draft.vocab_size,
+            min_confidence=0.0,
+            top_m=0,
+        )
+        out.draft_token_ids.tolist()  # the round's one read, as the proposer's
+        for sid, length in zip(ids, lengths, strict=True):
+            draft.rollback(sid, length)
+
+    return 1e3 * timed(one, draft.device, reps)
 
 
 def profile_passes(target, draft, args, gen, top: int = 15) -> dict:
@@ -295,7 +372,7 @@ def profile_passes(target, draft, args, gen, top: int = 15) -> dict:
     return out
 
 
-def measure_decoding(target, draft, args, gen) -> dict:
+def measure_decoding(target, draft, args, gen, fused=None) -> dict:
     """Plain and oracle-speculative tokens/s per batch (k = the largest of ``--ks``)."""
     k = max(args.ks)
     out: dict = {}
@@ -303,7 +380,7 @@ def measure_decoding(target, draft, args, gen) -> dict:
         row = {"plain": plain_decode(target, batch, args.context, args.new_tokens, gen)}
         for alpha in args.alphas:
             spec = speculative_decode(
-                target, draft, batch, args.context, args.new_tokens, k, alpha, gen
+                target, draft, batch, args.context, args.new_tokens, k, alpha, gen, fused
             )
             spec["speedup_vs_plain"] = spec["tokens_per_s"] / row["plain"]
             row[f"alpha {alpha}"] = spec
@@ -369,6 +446,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-compile", action="store_true", help="skip transformers + compile")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers altogether")
     ap.add_argument(
+        "--stepwise-draft",
+        action="store_true",
+        help="cuda_graph: draft step by step (a graph per step), not a round as one graph",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="profile a batch-1 verification and draft step first (device time per kernel)",
@@ -408,7 +490,27 @@ def served_length(args) -> int:
     return args.context + max(rounds * (k + 1), args.new_tokens) + k + 2
 
 
-def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int) -> dict:
+def record_fused(draft: ModelRunner, fused, args, kv_lens: list[int]) -> dict:
+    """Record the graphs of a round's draft steps (k, and k - 1 after a round that
+    accepted all) for each batch and key block, on scratch rows freed after."""
+    k = max(args.ks)
+    for batch in args.batches:
+        ids = [f"fused-{i}" for i in range(batch)]
+        for sid in ids:
+            draft.add(sid)
+        draft.forward_padded(ids, [[1] * (max(kv_lens) - 1)] * batch, last_only=True)
+        for kv in sorted(kv_lens, reverse=True):
+            for steps in (k, k - 1):
+                if steps < 1 or kv - steps < 1:
+                    continue
+                for sid in ids:
+                    draft.rollback(sid, kv - steps)
+                fused_round_ms(draft, fused, ids, steps, 1)
+        free_rows(draft)
+    return fused.compile_seconds
+
+
+def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int, fused=None) -> dict:
     """Record the CUDA graphs every measured pass replays (``execution_mode="cuda_graph"``),
     before any timing: each batch, each query length (the target's verifications of k + 1
     and decode; the draft's steps of 1, or 2 tokens after a round that accepted all), and
@@ -429,6 +531,13 @@ def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int) ->
             "per_graph_s": {str(shape): round(s, 3) for shape, s in seconds.items()},
         }
         print(f"[bench.gpu] {name}: {len(seconds)} graphs in {out[name]['total_s']} s", flush=True)
+    if fused is not None:
+        t0 = time.perf_counter()
+        seconds = record_fused(draft, fused, args, kv_lens)
+        out["draft_rounds"] = {
+            "graphs": len(seconds),
+            "total_s": round(time.perf_counter() - t0, 2),
+        }
     return out
 
 
@@ -463,16 +572,21 @@ def main(argv=None) -> None:
         name: {str(shape): s for shape, s in runner.warm_up().items()}
         for name, runner in (("target", target), ("draft", draft))
     }
+    # A draft on CUDA graphs drafts a round as one graph of k steps, as a server's does
+    # (specdec.draft_steps.GraphedDraftSteps); --stepwise-draft: one graph per step.
+    fused = None
+    if args.execution_mode == "cuda_graph" and not args.stepwise_draft:
+        fused = GraphedDraftSteps(draft, "draft")
     if target.device.type == "cuda" and args.execution_mode != "eager":
-        results["record_s"] = record_graphs(target, draft, args, length)
+        results["record_s"] = record_graphs(target, draft, args, length, fused)
     save("warm-up")
     bw = results["bandwidth_gb_s"] * 1e9
     if args.profile:  # first: the likeliest question a lease is for
         results["profile"] = profile_passes(target, draft, args, gen)
         save("profile")
-    results["passes"] = measure_passes(target, draft, args, gen, bw)
+    results["passes"] = measure_passes(target, draft, args, gen, bw, fused)
     save("passes")
-    results["decoding"] = measure_decoding(target, draft, args, gen)
+    results["decoding"] = measure_decoding(target, draft, args, gen, fused)
     save("decoding")
     if not args.no_peers:
         results["transformers_batch1"] = {}

@@ -193,6 +193,8 @@ def test_gpu_smoke_on_cpu(results, monkeypatch):
     assert set(out["passes"]["verify"]) == {
         f"batch {b}, {n} positions" for b in (1, 8) for n in (1, 2, 4, 6)
     }
+    # the draft on graphs drafts a round (k = 5) as one graph, timed beside single steps
+    assert set(out["passes"]["draft_round"]) == {"batch 1, 5 steps", "batch 8, 5 steps"}
     for row in [*out["passes"]["verify"].values(), *out["passes"]["draft_step"].values()]:
         assert 0 < row["floor_ms"] < row["ms"] and 0 < row["floor_fraction"] < 1
     for batch in ("batch 1", "batch 8"):
