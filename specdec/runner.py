@@ -164,23 +164,25 @@ class ModelRunner:
                 max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction, kv_shared_with
             )
         self._compiled = self._compiled_forward(execution_mode, model_name)
-        # CUDA graphs, of the eager kernels ("cuda_graph") or, on CUDA, of the Inductor
-        # graphs ("torch_compile", as torch.compile's reduce-overhead, but with the runner's
-        # static buffers): made at the first pass of each shape, once the slot count is
-        # known (a deferred cache is allocated later).
-        if execution_mode == CUDA_GRAPH:
-            self._graph_mode = self._usable_compiled(model_name)
-            if self.device.type != "cuda":
-                logger.warning(
-                    "%s: cuda_graph on %s records nothing: its padded passes run eagerly "
-                    "(a check of the padding, slower than eager)",
-                    model_name,
-                    self.device,
-                )
-        else:  # (a torch_compile runner without row attention has said why: no _compiled)
-            self._graph_mode = self._compiled is not None and self.device.type == "cuda"
+        self._graph_mode = self._uses_graphs(execution_mode, model_name)
         self._graphed: GraphedForward | None = None
         self._name = model_name
+
+    def _uses_graphs(self, mode: str, name: str) -> bool:
+        """Whether passes replay CUDA graphs: of the eager kernels ("cuda_graph") or, on
+        CUDA, of Inductor's ("torch_compile", as torch.compile's reduce-overhead, but
+        through the runner's static buffers). The graphs are made at each shape's first
+        pass, once the slot count is known (a deferred cache is allocated later)."""
+        if mode != CUDA_GRAPH:  # (a torch_compile runner without row attention said why)
+            return self._compiled is not None and self.device.type == "cuda"
+        if self.device.type != "cuda":
+            logger.warning(
+                "%s: cuda_graph on %s records nothing: its padded passes run eagerly "
+                "(a check of the padding, slower than eager)",
+                name,
+                self.device,
+            )
+        return self._usable_compiled(name)
 
     def _usable_compiled(self, name: str) -> bool:
         """Whether a compiled or graphed pass can run: it needs attention by row positions
