@@ -52,10 +52,11 @@ KV_BLOCK = 256  # keys are padded up to a multiple of this [tokens]
 # tokens), each holding its kernels' launch state on the device.
 MAX_GRAPHS = 256
 MAX_FAILURES = 3  # failed recordings after which a runner stops trying
-# Queries a graphed pass may have: decode and draft steps (1), verifications of up to 7
-# drafts. Longer passes (short prompts, a long prompt's last chunk) run eager: each length
-# would be graphs of its own, and their logits buffers [rows, queries, vocab] grow with it.
-MAX_GRAPH_QUERY_LEN = 8
+# Queries a graphed pass may have: decode and draft steps (1), verifications of up to 8
+# drafts (the default max_speculative_tokens). Longer passes (short prompts, a long
+# prompt's last chunk) run eager: each length would be graphs of its own, and their
+# logits buffers [rows, queries, vocab] grow with it.
+MAX_GRAPH_QUERY_LEN = 9
 
 
 @dataclass(frozen=True, slots=True, order=True)
