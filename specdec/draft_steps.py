@@ -156,13 +156,15 @@ class FusedDraftSteps:
         ``steps`` positions left before ``max_model_len`` (a step refuses just the one
         past the limit), or where no row has a cached token yet. Callers draft those
         steps one by one instead."""
-        runner = self.runner
-        longest = max(runner.length(sid) for sid in seq_ids)
         shape = StepsShape(len(seq_ids) == 1, steps, top_m)
-        # (a first step over no cached keys would attend to 1 key: a size the graphs,
-        # dynamic in keys from 2, would miss their guards on, and go eager for good)
-        fits = longest >= 1 and longest + steps <= runner.max_model_len
-        return fits and shape not in self._graphs.eager_shapes
+        return self._fits(seq_ids, steps) and shape not in self._graphs.eager_shapes
+
+    def _fits(self, seq_ids: Sequence[Hashable], steps: int) -> bool:
+        """Whether every row has ``steps`` positions left and some row a cached token (a
+        first step over no cached keys would attend to 1 key: a size the compiled graphs,
+        dynamic in keys from 2, would miss their guards on, and go eager for good)."""
+        longest = max(self.runner.length(sid) for sid in seq_ids)
+        return longest >= 1 and longest + steps <= self.runner.max_model_len
 
     @torch.no_grad()  # (its graphs are traced and guarded without autograd)
     def run(
@@ -187,36 +189,58 @@ class FusedDraftSteps:
         probability under ``min_confidence`` ends at ``i + 1``. Every row runs every step
         (a stopped row's later drafts are never proposed). Only ids below ``vocab_limit``
         are proposed. The rows' cached lengths advance by ``steps``."""
-        runner, dev = self.runner, self.runner.device
+        runner = self.runner
         rows = runner.step_rows(seq_ids, steps)
-        shape = StepsShape(len(seq_ids) == 1, steps, top_m)
-        live = num_draft_tokens == k  # [batch] bool: rows the stop has not ended
-        kwargs = dict(
-            tokens=tokens.clone(memory_format=torch.contiguous_format),
-            positions=rows.positions,
-            slots=rows.slots,
-            kv_range=rows.kv_range,
-            counts=num_draft_tokens.clone(memory_format=torch.contiguous_format),
-            live=live,
-            first_step=self._scalar("first_step", first_step, torch.long),
-            vocab_limit=self._scalar("vocab_limit", vocab_limit, torch.long),
-            min_confidence=self._scalar("min_confidence", min_confidence, torch.float32),
-            steps=steps,
-            top_m=top_m,
+        kwargs = self._step_kwargs(
+            rows, tokens, num_draft_tokens, k, first_step, vocab_limit, min_confidence, steps, top_m
         )
-        # Rows (one: specialised) and keys vary between calls of a graph.
-        batch_dims = () if shape.single_row else (0,)
-        dynamic = [(kwargs[name], batch_dims) for name in ("tokens", "slots", "counts", "live")]
-        dynamic += [(rows.positions, batch_dims), (rows.kv_range, (0,))]
         try:
-            with sdpa_backends(dev):
-                drafts, top_ids, top_p, counts = self._graphs(shape, dynamic, **kwargs)
+            with sdpa_backends(runner.device):
+                drafts, top_ids, top_p, counts = self._execute(kwargs)
         finally:
             runner.end_steps()
         runner.advance(seq_ids, steps)
         if not top_m:
             top_ids = top_p = None
         return FusedSteps(drafts, top_ids, top_p, counts)
+
+    def _execute(self, kwargs: dict):
+        """:meth:`_steps` over a call's arguments, as the graph of its :class:`StepsShape`."""
+        shape = StepsShape(kwargs["slots"].shape[0] == 1, kwargs["steps"], kwargs["top_m"])
+        # Rows (one: specialised) and keys vary between calls of a graph.
+        batch_dims = () if shape.single_row else (0,)
+        dynamic = [(kwargs[name], batch_dims) for name in ("tokens", "slots", "counts", "live")]
+        dynamic += [(kwargs["positions"], batch_dims), (kwargs["kv_range"], (0,))]
+        return self._graphs(shape, dynamic, **kwargs)
+
+    def _step_kwargs(
+        self,
+        rows,
+        tokens,
+        num_draft_tokens,
+        k,
+        first_step,
+        vocab_limit,
+        min_confidence,
+        steps,
+        top_m,
+    ) -> dict:
+        """:meth:`_steps`' arguments for a call (fresh row-major tensors, none aliasing
+        another: a graph is guarded on its inputs' strides and aliasing)."""
+        dense = torch.contiguous_format
+        return dict(
+            tokens=tokens.clone(memory_format=dense),
+            positions=rows.positions,
+            slots=rows.slots,
+            kv_range=rows.kv_range,
+            counts=num_draft_tokens.clone(memory_format=dense),
+            live=num_draft_tokens == k,  # [batch] bool: rows the stop has not ended
+            first_step=self._scalar("first_step", first_step, torch.long),
+            vocab_limit=self._scalar("vocab_limit", vocab_limit, torch.long),
+            min_confidence=self._scalar("min_confidence", min_confidence, torch.float32),
+            steps=steps,
+            top_m=top_m,
+        )
 
     def _scalar(self, name: str, value: float, dtype: torch.dtype) -> torch.Tensor:
         key = (name, value)
@@ -384,79 +408,35 @@ class GraphedDraftSteps(FusedDraftSteps):
         return set(self.recorder.failed)
 
     def can_run(self, seq_ids: Sequence[Hashable], steps: int, top_m: int) -> bool:
-        longest = max(self.runner.length(sid) for sid in seq_ids)
-        fits = longest >= 1 and longest + steps <= self.runner.max_model_len
-        return fits and not self.recorder.disabled
+        return self._fits(seq_ids, steps) and not self.recorder.disabled
 
-    @torch.no_grad()
-    def run(
-        self,
-        seq_ids: Sequence[Hashable],
-        tokens: torch.Tensor,
-        *,
-        steps: int,
-        first_step: int,
-        num_draft_tokens: torch.Tensor,
-        k: int,
-        vocab_limit: int,
-        min_confidence: float,
-        top_m: int,
-    ) -> FusedSteps:
-        """As :meth:`FusedDraftSteps.run`, through the graph of the call's padded sizes."""
-        runner = self.runner
-        rows = runner.step_rows(seq_ids, steps)
-        batch = len(seq_ids)
+    def _execute(self, kwargs: dict):
+        """:meth:`_steps` over a call's arguments through the graph of its padded sizes
+        (eagerly, unpadded, where that graph cannot be recorded)."""
+        runner, batch, steps = self.runner, kwargs["slots"].shape[0], kwargs["steps"]
         bucket = next(b for b in batch_buckets(runner.max_num_seqs) if b >= batch)
-        longest = rows.kv_range.shape[0] - 1 + steps  # keys the last step reads
-        key = StepsGraph(bucket, steps, top_m, padded_keys(longest, KV_BLOCK, runner.max_model_len))
-        try:
-            out = None
-            if key not in self.recorder.failed and not self.recorder.disabled:
-                static = self.recorder.inputs.get(key) or self._new_inputs(key)
-                self._fill(static, batch, tokens, rows, num_draft_tokens, k)
-                static.first_step.fill_(first_step)
-                static.vocab_limit.fill_(vocab_limit)
-                static.min_confidence.fill_(min_confidence)
-                with sdpa_backends(runner.device):
-                    out = self.recorder.replay(key, batch)
-            if out is None:  # not recordable: these steps eagerly, unpadded
-                with sdpa_backends(runner.device):
-                    out = self._steps(
-                        tokens=tokens,
-                        positions=rows.positions,
-                        slots=rows.slots,
-                        kv_range=rows.kv_range,
-                        counts=num_draft_tokens,
-                        live=num_draft_tokens == k,
-                        first_step=self._scalar("first_step", first_step, torch.long),
-                        vocab_limit=self._scalar("vocab_limit", vocab_limit, torch.long),
-                        min_confidence=self._scalar(
-                            "min_confidence", min_confidence, torch.float32
-                        ),
-                        steps=steps,
-                        top_m=top_m,
-                    )
-        finally:
-            runner.end_steps()
-        runner.advance(seq_ids, steps)
-        drafts, top_ids, top_p, counts = out
-        if not top_m:
-            top_ids = top_p = None
-        return FusedSteps(drafts, top_ids, top_p, counts)
+        longest = kwargs["kv_range"].shape[0] - 1 + steps  # keys the last step reads
+        kv_len = padded_keys(longest, KV_BLOCK, runner.max_model_len)
+        key = StepsGraph(bucket, steps, kwargs["top_m"], kv_len)
+        out = None
+        if key not in self.recorder.failed and not self.recorder.disabled:
+            static = self.recorder.inputs.get(key) or self._new_inputs(key)
+            self._fill(static, batch, kwargs)
+            out = self.recorder.replay(key, batch)
+        return self._steps(**kwargs) if out is None else out
 
-    def _fill(self, static: _StepsInputs, batch: int, tokens, rows, counts, k: int) -> None:
+    def _fill(self, static: _StepsInputs, batch: int, kwargs: dict) -> None:
         """The call's rows into the first ``batch`` rows; the rest padded (their token 0 at
         position 0 of the first row's slot, written to scratch, never live)."""
-        static.tokens[:batch].copy_(tokens)
-        static.positions[:batch].copy_(rows.positions)
-        static.slots[:batch].copy_(rows.slots)
+        for name in ("tokens", "positions", "slots", "counts", "live"):
+            getattr(static, name)[:batch].copy_(kwargs[name])
         static.padded[:batch].fill_(False)
-        static.counts[:batch].copy_(counts)
-        static.live[:batch].copy_(counts == k)
+        for name in ("first_step", "vocab_limit", "min_confidence"):
+            getattr(static, name).copy_(kwargs[name])
         if batch < static.tokens.shape[0]:
             static.tokens[batch:].zero_()
             static.positions[batch:].zero_()
-            static.slots[batch:].copy_(rows.slots[:1].expand(static.tokens.shape[0] - batch))
+            static.slots[batch:].copy_(kwargs["slots"][:1].expand(static.tokens.shape[0] - batch))
             static.padded[batch:].fill_(True)
             static.counts[batch:].zero_()
             static.live[batch:].fill_(False)

@@ -691,9 +691,8 @@ class ModelRunner:
         """The model over a graph's persistent inputs (what a CUDA graph records): keys up
         to the shape's padded count, each query masked to its row's own prefix. Returns
         ``[batch, queries, vocab]`` logits in the model's dtype."""
-        self.cache.layout = BatchLayout(
-            inputs.slots, inputs.write_positions, inputs.kv_range, None, None
-        )
+        layout = BatchLayout(inputs.slots, inputs.write_positions, inputs.kv_range, None, None)
+        self.cache.layout = layout
         spans = RowSpans(
             self.attention, inputs.position_ids, inputs.kv_range, False, True, keys_padded=True
         )
@@ -711,13 +710,7 @@ class ModelRunner:
                     out = self.model(**kwargs)
                 else:  # Inductor's kernels recorded (its graph per PassShape, sizes dynamic)
                     batch, n = inputs.input_ids.shape
-                    dynamic = [
-                        (inputs.input_ids, (0, 1)),
-                        (inputs.position_ids, (0, 1)),
-                        (inputs.write_positions, (0, 1)),
-                        (inputs.slots, (0,)),
-                        (inputs.kv_range, (0,)),
-                    ]
+                    dynamic = _PassInputs(inputs.input_ids, inputs.position_ids, layout).dynamic()
                     out = self._compiled(PassShape(batch == 1, n == 1), dynamic, **kwargs)
         finally:
             self.cache.layout = None
@@ -733,12 +726,11 @@ class ModelRunner:
         (nothing off CUDA or in another mode, where nothing is recorded)."""
         if not self._graph_mode or self.device.type != "cuda":
             return {}
-        graphs = self._graphs()
+        graphs, longest = self._graphs(), max(kv_lens)
         for batch in sorted(set(batches)):
-            rows = [f"graph-warm-up-{i}" for i in range(batch)]
             if batch > self.num_free_slots:
                 continue
-            longest = max(kv_lens)
+            rows = [f"graph-warm-up-{i}" for i in range(batch)]
             for sid in rows:
                 self.add(sid)
             try:
