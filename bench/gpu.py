@@ -529,6 +529,9 @@ def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int, fu
             "graphs": len(seconds),
             "total_s": round(time.perf_counter() - t0, 2),
             "per_graph_s": {str(shape): round(s, 3) for shape, s in seconds.items()},
+            # what the graphs hold, against what a server's KV budget leaves them
+            "memory_gb": round(runner.graph_memory_bytes / 1e9, 4),
+            "reserve_gb": round(runner.graph_reserve_bytes / 1e9, 4),
         }
         print(f"[bench.gpu] {name}: {len(seconds)} graphs in {out[name]['total_s']} s", flush=True)
     if fused is not None:
@@ -565,6 +568,8 @@ def main(argv=None) -> None:
             max_num_seqs=max(args.batches),
             max_model_len=length,
             execution_mode=args.execution_mode,
+            # the peaks the KV budget leaves free, graphs' included (record_graphs compares)
+            reserve_activations=True,
         )
         for m in models
     )

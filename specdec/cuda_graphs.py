@@ -57,6 +57,10 @@ MAX_FAILURES = 3  # failed recordings after which a runner stops trying
 # prompt's last chunk) run eager: each length would be graphs of its own, and their
 # logits buffers [rows, queries, vocab] grow with it.
 MAX_GRAPH_QUERY_LEN = 9
+# What a runner's KV budget leaves its graphs beyond their estimated needs [bytes]: the
+# caching allocator hands a pool whole segments (2 MiB for small blocks, 20 MiB or more
+# for large ones), so a pool holds more than its blocks' sum.
+GRAPH_POOL_SLACK = 64 << 20
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -125,6 +129,16 @@ class GraphRecorder:
         self.max_failures = MAX_FAILURES
         self.disabled = False
         self._pool = torch.cuda.graph_pool_handle() if self.record else None
+
+    def memory_bytes(self) -> int:
+        """What the recorded graphs hold now [bytes]: their pool's segments and the shared
+        output buffers (0 off CUDA, where nothing is recorded)."""
+        if not self.record:
+            return 0
+        pool = tuple(self._pool)
+        segments = torch.cuda.memory_snapshot()
+        held = sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == pool)
+        return held + sum(b.numel() * b.element_size() for b in self._shared.values())
 
     def replay(self, key, rows: int, share=None):
         """The outputs of ``key``'s graph over its inputs (which the caller has filled),

@@ -25,6 +25,7 @@ from specdec.attention import (
     exact_position_limit,
 )
 from specdec.cuda_graphs import (
+    GRAPH_POOL_SLACK,
     MAX_GRAPH_QUERY_LEN,
     GraphedForward,
     GraphShape,
@@ -153,10 +154,9 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.input_vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.kv_bytes_per_token = self._probe_kv()
-        # Peak memory of the largest passes [bytes] by pass, kept out of the KV budget.
-        self.activation_peaks: dict[str, int] = (
-            self._measure_activations(max_num_seqs, verifies) if reserve_activations else {}
-        )
+        # Peak memory of the largest passes (and the graphs') [bytes], kept out of the budget.
+        peaks = self._measure_activations if reserve_activations else lambda *_: {}
+        self.activation_peaks: dict[str, int] = peaks(max_num_seqs, verifies, execution_mode)
         self.kv_plan: KVPlan | None = None
         self.max_num_seqs = 0
         if not defer_kv:
@@ -289,11 +289,12 @@ class ModelRunner:
         with ``defer_kv``) and allocate them here, and the same number there."""
         free = device_free_bytes(self.device)
         shared = kv_shared_with.kv_bytes_per_slot if kv_shared_with is not None else 0
-        # The models take turns: the larger of the two peaks is what a pass may need.
+        # The models take turns: the larger of the two peaks is what a pass may need; each
+        # model's graphs hold their memory for good.
+        other = kv_shared_with
         reserve = max(
-            self.activation_reserve_bytes,
-            kv_shared_with.activation_reserve_bytes if kv_shared_with is not None else 0,
-        )
+            self.activation_reserve_bytes, other.activation_reserve_bytes if other else 0
+        ) + (self.graph_reserve_bytes + (other.graph_reserve_bytes if other else 0))
         plan = plan_slots(
             self.kv_bytes_per_token,
             self.max_model_len,
@@ -317,9 +318,23 @@ class ModelRunner:
 
     @property
     def activation_reserve_bytes(self) -> int:
-        """What the KV budget leaves free for the passes [bytes]: the largest of
-        :attr:`activation_peaks`; 0 when not measured."""
-        return max(self.activation_peaks.values(), default=0)
+        """What the KV budget leaves free for the eager passes [bytes]: the largest of
+        :attr:`activation_peaks` but the graphs'; 0 when not measured."""
+        eager = [v for k, v in self.activation_peaks.items() if k != "graphs"]
+        return max(eager, default=0)
+
+    @property
+    def graph_reserve_bytes(self) -> int:
+        """What the KV budget leaves to this runner's CUDA graphs [bytes] (``graphs`` of
+        :attr:`activation_peaks`): held for good, beside the eager passes' transients."""
+        return self.activation_peaks.get("graphs", 0)
+
+    def _will_record(self, mode: str) -> bool:
+        """Whether this runner's passes will replay CUDA graphs (as :meth:`_uses_graphs`
+        says later, known here before the cache is planned): ``cuda_graph`` or
+        ``torch_compile`` on CUDA, with attention by rows."""
+        graphs = mode in (CUDA_GRAPH, TORCH_COMPILE)  # (off CUDA nothing is recorded)
+        return graphs and self.device.type == "cuda" and self._row_attention
 
     def _activation_shapes(
         self, max_num_seqs: int, verifies: bool
@@ -334,7 +349,7 @@ class ModelRunner:
         verify_n = max(1, min(self.max_compiled_query_len, self.max_model_len))
         return {"prefill": (rows, n, True), "verify": (max_num_seqs, verify_n, not verifies)}
 
-    def _measure_activations(self, max_num_seqs: int, verifies: bool) -> dict[str, int]:
+    def _measure_activations(self, max_num_seqs: int, verifies: bool, mode: str) -> dict[str, int]:
         """Each of the largest passes' peak memory at ``max_model_len`` of context [bytes].
 
         Attention's transients grow with the keys a pass reads (masks of ``queries x
@@ -345,28 +360,49 @@ class ModelRunner:
         scratch cache allocated before the peak is read (the cache is not the pass's),
         and the peak is extrapolated linearly in the context to ``max_model_len``. A
         verification that keeps every position's logits adds one float32 copy of them:
-        the sampler's probabilities, made while the logits live."""
+        the sampler's probabilities, made while the logits live.
+
+        Where ``mode`` replays CUDA graphs (:meth:`_will_record`) also ``graphs``: what the
+        recorded graphs keep for good, as :meth:`_graph_memory` estimates it."""
         peaks: dict[str, int] = {}
         try:
             for name, (rows, n, last_only) in self._activation_shapes(
                 max_num_seqs, verifies
             ).items():
-                step = max(16, n // 4)
-                contexts = [c for c in (n + step, n + 2 * step) if c <= self.max_model_len]
-                measured = [self._peak_at(rows, n, c, last_only) for c in contexts]
-                if len(measured) == 2:
-                    slope = max(0.0, (measured[1] - measured[0]) / step)
-                    peak = measured[1] + slope * (self.max_model_len - contexts[1])
-                else:  # no room past the pass in max_model_len: the pass as it comes
-                    peak = self._peak_at(rows, n, n, last_only)
                 logits = 0 if last_only else rows * n * self.vocab_size * 4
-                peaks[name] = int(peak) + logits
+                peaks[name] = self._extrapolated_peak(rows, n, last_only) + logits
+            if self._will_record(mode):
+                peaks["graphs"] = self._graph_memory(max_num_seqs)
         finally:
             self.cache.allocate(1, 2)  # the scratch goes; the budget allocates for good
             self.slots = SlotTable(0)
             if self.device.type == "cuda":  # else free memory would miss the probe's blocks
                 torch.cuda.empty_cache()
         return peaks
+
+    def _extrapolated_peak(self, rows: int, n: int, last_only: bool) -> int:
+        """Peak memory [bytes] of a pass of ``rows`` x ``n`` queries at ``max_model_len``
+        of context: measured at two short contexts, carried on linearly."""
+        step = max(16, n // 4)
+        contexts = [c for c in (n + step, n + 2 * step) if c <= self.max_model_len]
+        measured = [self._peak_at(rows, n, c, last_only) for c in contexts]
+        if len(measured) < 2:  # no room past the pass in max_model_len: the pass as it comes
+            return self._peak_at(rows, n, n, last_only)
+        slope = max(0.0, (measured[1] - measured[0]) / step)
+        return int(measured[1] + slope * (self.max_model_len - contexts[1]))
+
+    def _graph_memory(self, max_num_seqs: int) -> int:
+        """What a runner's recorded graphs hold for good [bytes]: the memory pool they
+        share, which the largest graphed pass fills (``max_num_seqs`` rows of
+        ``MAX_GRAPH_QUERY_LEN`` queries at ``max_model_len`` keys: its transients, as for
+        the eager passes), and the logits buffer each row bucket and query count shares
+        (``[rows, queries, vocab]`` in the model's dtype, :class:`GraphRecorder`), plus
+        :data:`GRAPH_POOL_SLACK` for the allocator's rounding (whole segments)."""
+        n = max(1, min(MAX_GRAPH_QUERY_LEN, self.max_model_len - 1))
+        pool = self._extrapolated_peak(max_num_seqs, n, last_only=False)
+        queries = sum(range(1, n + 1))
+        logits = sum(batch_buckets(max_num_seqs)) * queries * self.vocab_size
+        return pool + logits * self.model.dtype.itemsize + GRAPH_POOL_SLACK
 
     def _peak_at(self, rows: int, n: int, context: int, last_only: bool) -> int:
         """Peak memory [bytes] of one pass of ``rows`` x ``n`` queries ending at
@@ -751,6 +787,12 @@ class ModelRunner:
     def graph_record_seconds(self) -> dict[GraphShape, float]:
         """Each recorded CUDA graph's recording time [s] (empty when none)."""
         return {} if self._graphed is None else dict(self._graphed.record_seconds)
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """What this runner's recorded pass graphs hold now [bytes] (their pool and output
+        buffers; :attr:`graph_reserve_bytes` is what the KV budget left them)."""
+        return 0 if self._graphed is None else self._graphed.memory_bytes()
 
     # ----- one-token passes inside a fused graph (specdec.draft_steps) -------------------
 

@@ -136,7 +136,7 @@ def _log_kv(runner: ModelRunner) -> None:
     plan = runner.kv_plan
     logger.info(
         "KV cache of %s: %d slots x %d tokens (max_model_len) x %d bytes per token "
-        "= %.2f GB; %.2f GB kept for activations (measured peaks: %s)",
+        "= %.2f GB; %.2f GB kept for activations and graphs (measured peaks: %s)",
         runner.model.name_or_path,
         runner.max_num_seqs,
         runner.max_model_len,

@@ -189,3 +189,28 @@ def test_compiled_runners_record_inductor_graphs_on_cuda(tiny_target, tiny_draft
     graphs = runner._graphs()
     assert not graphs.failed and graphs.record_seconds
     assert not runner._compiled.eager_shapes
+
+
+def test_recorded_graphs_hold_no_more_than_the_kv_budget_leaves_them(tiny_target, device):
+    """The KV budget leaves a graphed runner's graphs their memory: after every pass graph
+    a server can replay is recorded (each row bucket, 1 to MAX_GRAPH_QUERY_LEN queries,
+    every key block), their pool and logits buffers hold no more than the reserve, which
+    the plan keeps out of the cache beside the eager passes' peak."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("the memory of recorded CUDA graphs: run with --device cuda")
+    runner = ModelRunner(
+        tiny_target,
+        max_num_seqs=4,
+        max_model_len=512,
+        execution_mode="cuda_graph",
+        kv_cache_memory_fraction=0.5,
+        reserve_activations=True,
+        device=device,
+    )
+    reserve = runner.graph_reserve_bytes
+    assert reserve > 0
+    assert runner.kv_plan.reserved_bytes == runner.activation_reserve_bytes + reserve
+    queries = list(range(1, MAX_GRAPH_QUERY_LEN + 1))
+    recorded = runner.record_graphs(batch_buckets(4), queries, [256, 512])
+    assert len(recorded) == len(batch_buckets(4)) * len(queries) * 2
+    assert 0 < runner.graph_memory_bytes <= reserve

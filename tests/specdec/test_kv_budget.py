@@ -213,3 +213,35 @@ def test_a_colocated_pair_keeps_the_larger_of_its_two_reserves(tiny_target, tiny
     assert draft.activation_reserve_bytes > target.activation_reserve_bytes > 0
     assert target.kv_plan.reserved_bytes == draft.activation_reserve_bytes
     assert draft.kv_plan.reserved_bytes == target.kv_plan.reserved_bytes  # (its log says so)
+
+
+def test_the_graphs_estimate_holds_their_pool_and_every_logits_buffer(tiny_target):
+    """What a runner that replays CUDA graphs leaves them (``_graph_memory``, which such a
+    runner measures at load, before its cache is planned; measured here by eager runners
+    with no cache yet, as nothing is recorded off CUDA): the transients of the largest
+    graphed pass (all rows x MAX_GRAPH_QUERY_LEN queries at max_model_len keys, growing
+    with it) and one ``[rows, queries, vocab]`` logits buffer per row bucket and query
+    count. (tests/specdec/test_cuda_graphs.py compares it with what recorded graphs hold
+    on CUDA.)"""
+    from specdec.cuda_graphs import GRAPH_POOL_SLACK, MAX_GRAPH_QUERY_LEN
+
+    def estimate(max_model_len):
+        runner = ModelRunner(tiny_target, max_model_len=max_model_len, defer_kv=True)
+        return runner, runner._graph_memory(4)
+
+    runner, short = estimate(128)
+    assert runner.graph_reserve_bytes == 0  # (off CUDA: no graphs, nothing kept for them)
+    graphed = ModelRunner(
+        tiny_target,
+        max_num_seqs=4,
+        max_model_len=128,
+        execution_mode="cuda_graph",
+        reserve_activations=True,
+    )
+    assert "graphs" not in graphed.activation_peaks and graphed.graph_reserve_bytes == 0
+    vocab, itemsize = runner.vocab_size, runner.model.dtype.itemsize
+    buffers = (1 + 2 + 4) * sum(range(1, MAX_GRAPH_QUERY_LEN + 1)) * vocab * itemsize
+    pool = short - buffers - GRAPH_POOL_SLACK
+    # the pass's own logits at least (every position, every row), and its hidden states
+    assert pool >= 4 * MAX_GRAPH_QUERY_LEN * (vocab + runner.model.config.hidden_size) * 4
+    assert estimate(2048)[1] > short  # more keys to attend
