@@ -53,6 +53,9 @@ class Proposal:
     # proposer made them: consumers take these instead of reading the tensors again.
     host_num_draft_tokens: list[int] | None = None  # [batch]
     host_draft_token_ids: list[list[int]] | None = None  # [batch][k]
+    # False: ``should_stop`` ended the drafting early (``keep_partial``); each row's drafts
+    # are those of the steps run (at most that many).
+    complete: bool = True
 
     def q(self, row: int) -> torch.Tensor | None:
         """Batch row ``row``'s q (``[k, vocab]`` float16 weights), None for a greedy row."""
@@ -220,6 +223,7 @@ class DraftModelProposer(Proposer):
         k: int,
         top_m: int = 0,
         should_stop: Callable[[], bool] | None = None,
+        keep_partial: bool = False,
     ) -> Proposal | None:
         """``k`` drafts per sequence (fewer where ``min_confidence`` ends a row early:
         ``num_draft_tokens``); with ``top_m``, also the draft's ``top_m`` likeliest tokens
@@ -227,15 +231,21 @@ class DraftModelProposer(Proposer):
 
         ``should_stop`` is checked before each draft step (or graph of fused steps, up to
         4); when it says so, drafting ends and None is returned (the caches keep what was
-        fed and resynchronise next time).
+        fed and resynchronise next time), or with ``keep_partial`` and a step done, the
+        drafts of the steps run (``complete`` False: a prefix of a row's drafts is a
+        valid proposal).
 
         Greedy rows take the argmax and carry no ``q`` (argmax matching needs none):
         ``draft_probs`` holds the sampled rows only (``probs_rows``; :meth:`Proposal.q`).
         """
         run = self._start(seqs, k, top_m)
-        i = 0
+        i, complete = 0, True
         for size in self._plan(run):
             if should_stop is not None and should_stop():
+                if run.steps and keep_partial:
+                    run.counts.clamp_(max=run.steps)  # [batch] the drafts made so far
+                    complete = False
+                    break
                 if run.steps:
                     self._read_drafts(run)  # what was fed stays cached
                 return None
@@ -257,6 +267,7 @@ class DraftModelProposer(Proposer):
             run.probs_rows,
             host_num_draft_tokens=counts,
             host_draft_token_ids=drafts,
+            complete=complete,
         )
 
     def _plan(self, run: _Drafting) -> list[int | None]:

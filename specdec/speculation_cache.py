@@ -49,6 +49,9 @@ class Drafts:
     top_ids: torch.Tensor  # [n, m] the draft's likeliest tokens at each position
     top_probs: torch.Tensor  # [n, m] their raw probabilities
     speculative: bool = False  # prepared ahead in a branch (a speculation-cache hit)
+    # False: a branch the real outcome stopped, holding the drafts made by then (a draft
+    # worker pushes complete branches ahead, these only when they are hit)
+    complete: bool = True
 
     def trimmed(self, k: int) -> Drafts:
         """The first ``k`` drafts (a prefix of drafts is itself a valid draft)."""
@@ -56,7 +59,12 @@ class Drafts:
             return self
         probs = None if self.probs is None else self.probs[:k]
         return Drafts(
-            self.tokens[:k], probs, self.top_ids[:k], self.top_probs[:k], self.speculative
+            self.tokens[:k],
+            probs,
+            self.top_ids[:k],
+            self.top_probs[:k],
+            self.speculative,
+            self.complete,
         )
 
 
@@ -261,8 +269,13 @@ class SpeculativeDrafter:
         """Prepare next-round drafts for the ``budget`` likeliest outcomes of this round.
 
         Call after :meth:`propose` for the same sequences. ``should_stop`` is checked
-        between draft steps: once the real outcome is known, branches still being drafted
-        are worthless, so drafting stops, nothing is kept, and None is returned.
+        between draft steps: once the real outcome is known, drafting stops. The greedy
+        branches keep the drafts made by then (``Drafts.complete`` False): the one that guessed
+        the outcome serves them at once, fewer drafts but no wait, and they are the ones
+        drafting afresh would give (argmax of the same prefix). A sampled branch is not
+        kept: serving fewer drafts than its request's k would move its later rounds'
+        boundaries, and with them the random numbers a seeded request's rounds draw.
+        None: stopped with nothing kept.
         """
         look = [sid for sid in seq_ids if self._last.get(sid) is not None]
         look = [sid for sid in look if self._last[sid].tokens]
@@ -277,7 +290,9 @@ class SpeculativeDrafter:
         if not states:
             return []
         try:  # all or nothing: a failed pass keeps no branch
-            prop = self.proposer.propose(states, max(ks), self.top_m, should_stop=should_stop)
+            prop = self.proposer.propose(
+                states, max(ks), self.top_m, should_stop=should_stop, keep_partial=True
+            )
         except Exception:
             self._free_states(states)
             raise
@@ -287,11 +302,14 @@ class SpeculativeDrafter:
         branches = []
         every = _drafts_of(prop, ks, [state.params for state in states])
         for state, sid, guess, drafts in zip(states, parents, guesses, every, strict=True):
-            drafts.speculative = True
+            if not prop.complete and not (state.params.is_greedy and drafts.tokens):
+                self.proposer.free(state.seq_id)
+                continue
+            drafts.speculative, drafts.complete = True, prop.complete
             br = Branch(sid, guess, state, drafts)
             self._branches.setdefault(sid, []).append(br)
             branches.append(br)
-        return branches
+        return branches if branches or prop.complete else None
 
     def _outcomes(self, look: list[Hashable]) -> list[tuple[float, Hashable, tuple[int, ...]]]:
         """``(probability, sequence, guessed committed tokens)`` of every outcome worth

@@ -49,8 +49,10 @@ class DraftWorker:
     thread: first the rows whose drafts were not prepared ahead are drafted and pushed
     (the core may be waiting for them), then the likeliest outcomes of the round now
     being verified are drafted and pushed. A newer message stops that speculation at the
-    next draft step (or graph of up to 4 fused steps): once the outcome is known,
-    unfinished branches are worthless.
+    next draft step (or graph of up to 4 fused steps): once the outcome is known, only
+    the branch that guessed it is worth anything. Greedy branches keep the drafts made
+    by then, and the one hit is pushed with the message's reply (fewer drafts, no
+    drafting on the critical path).
     """
 
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1}
@@ -309,12 +311,13 @@ class DraftWorker:
         returns the rows drafted (whose next outcomes may be prepared)."""
         ids, ks, guesses, lost = self.rounds.apply(msg.first, msg.items, msg.freed)
         proposed = self.rounds.propose(ids, ks, lost)
-        # A pushed branch (actor transport) is at the core already; a reply carries all.
+        # A complete branch (actor transport) was pushed ahead: it is at the core already;
+        # one the message stopped (its drafts so far) goes now; a reply carries all.
         pushes: list[PushedDraft] = pushed_drafts(
             [
                 (sid, guesses[sid], d)
                 for sid, d in proposed
-                if self._reply_in_step or not d.speculative
+                if self._reply_in_step or not (d.speculative and d.complete)
             ],
             version=self.rounds.version,
         )
@@ -338,10 +341,13 @@ class DraftWorker:
             logger.exception("speculation failed; continuing without branches")
             self._speculated = False  # no branches: the next round says nothing of hits
             return
+        # Cut short with nothing kept: too wide. (Stopped with the greedy branches' drafts
+        # so far kept is no cut: the one hit serves them, sent then.)
         self.width.observe_speculation(time.perf_counter() - t0, verify_s, branches is None)
         if branches:
             self.speculated += len(branches)
-            if not self._reply_in_step:  # else they wait here for the next message
-                rows = [(br.seq_id, br.guess, br.drafts) for br in branches]
-                drafts = pushed_drafts(rows, version=self.rounds.version)
-                self._push(core, route, DraftPush(round_for, drafts))
+        complete = branches and all(br.drafts.complete for br in branches)
+        if complete and not self._reply_in_step:  # else they wait for a message
+            rows = [(br.seq_id, br.guess, br.drafts) for br in branches]
+            drafts = pushed_drafts(rows, version=self.rounds.version)
+            self._push(core, route, DraftPush(round_for, drafts))

@@ -82,6 +82,43 @@ def test_speculation_never_forks_past_the_draft_runner(tiny_draft):
     assert len(branches) == 4 and drafter.proposer.runner.num_seqs == 6
 
 
+def test_a_stopped_speculation_keeps_its_greedy_branches_drafts_so_far(tiny_draft):
+    """The real outcome arriving while branches are drafted stops them before the next
+    step: each greedy branch keeps the drafts made by then (not complete: a draft worker
+    sends them only when hit), a sampled one is freed (fewer drafts would move a seeded
+    request's round boundaries), and the branch that guessed the outcome serves its drafts
+    at once: the first drafts that drafting afresh from the same tokens gives."""
+    runner = ModelRunner(tiny_draft, max_num_seqs=40)
+    drafter = SpeculativeDrafter(DraftModelProposer(runner))
+    greedy = SamplingParams(temperature=0.0, max_tokens=50)
+    drafter.add("g", [5, 9, 14], greedy)
+    drafter.add("s", [6, 9, 14], SamplingParams(temperature=1.0, seed=3, max_tokens=50))
+    drafter.propose(["g", "s"], [4, 4])
+    checks = []
+
+    def stop_after_two_steps() -> bool:  # (asked before each step)
+        checks.append(None)
+        return len(checks) > 2
+
+    branches = drafter.speculate(["g", "s"], budget=32, should_stop=stop_after_two_steps)
+    assert len(checks) == 3 and branches
+    assert {br.seq_id for br in branches} == {"g"}  # the sampled row had branches too: freed
+    assert all(not br.drafts.complete and len(br.drafts.tokens) == 2 for br in branches)
+    assert runner.num_seqs == 2 + len(branches)
+    hit = branches[-1]
+    drafter.commit("g", list(hit.guess))
+    got = drafter.propose(["g"], [4])[0]
+    assert got.speculative and not got.complete and got.tokens == hit.drafts.tokens
+    assert runner.num_seqs == 2  # the other branches of g are gone
+    fresh = SpeculativeDrafter(DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=1)))
+    fresh.add("g", drafter.seqs["g"].token_ids, greedy)
+    assert fresh.propose(["g"], [4])[0].tokens[:2] == got.tokens
+    # not stopped: complete, as ever
+    drafter.commit("g", [got.tokens[0], 7])
+    drafter.propose(["g"], [3])
+    assert all(br.drafts.complete for br in drafter.speculate(["g"], budget=4))
+
+
 def test_new_weights_drop_the_branches_drafted_by_the_old(tiny_draft):
     """Branches prepared ahead were drafted by the old weights: a swap frees them (and
     their KV slots); the sequences stay, and the next round drafts them afresh."""
