@@ -406,13 +406,15 @@ class ModelRunner:
 
     def _peak_at(self, rows: int, n: int, context: int, last_only: bool) -> int:
         """Peak memory [bytes] of one pass of ``rows`` x ``n`` queries ending at
-        ``context`` cached positions (the earlier ones zeros of a scratch cache)."""
+        ``context`` cached positions (the earlier ones zeros of a scratch cache). Every
+        other row is one position shorter: rows of a real round are ragged, so attention
+        masks each row apart (rows of one length would share one mask)."""
         self.cache.allocate(rows, context + 1)
         self.slots = SlotTable(rows)
         ids = [f"activation-probe-{i}" for i in range(rows)]
-        for sid in ids:
+        for i, sid in enumerate(ids):
             self.add(sid)
-            self.slots.set_length(sid, context - n)
+            self.slots.set_length(sid, max(0, context - n - i % 2))
         with PeakMemory(self.device) as peak:
             self.forward_padded(ids, [[0] * n] * rows, last_only=last_only)
         return peak.bytes

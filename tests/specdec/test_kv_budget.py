@@ -244,4 +244,4 @@ def test_the_graphs_estimate_holds_their_pool_and_every_logits_buffer(tiny_targe
     pool = short - buffers - GRAPH_POOL_SLACK
     # the pass's own logits at least (every position, every row), and its hidden states
     assert pool >= 4 * MAX_GRAPH_QUERY_LEN * (vocab + runner.model.config.hidden_size) * 4
-    assert estimate(2048)[1] > short  # more keys to attend
+    assert estimate(512)[1] > short  # more keys to attend (512: the tiny model's limit)
