@@ -9,6 +9,8 @@
 # runs out loses only its own section). The checks, in the order CHECKS names them
 # (default "graph_tests graphs eager tests"):
 #   graph_tests: tests/specdec/test_cuda_graphs.py on the GPU (the graphs are exact);
+#   draft_tests: a draft round as one recorded graph (GraphedDraftSteps) against step by
+#                step, and attention by row positions, on the GPU;
 #   graphs:      bench.gpu with the runners on CUDA graphs (cuda_graph), a profile of a
 #                verification and a draft step first, peers included;
 #   eager:       bench.gpu with the eager runners (the reference), peers included;
@@ -19,7 +21,7 @@
 # peer (whose warm-up is 32 s); the compiled section did not finish compiling the 8B and
 # 1B graphs in 150 s; the tests ran 16 in 100 s with -n 4. A lease has 15 minutes, a
 # machine's start included: give the boxes to what the session needs most.
-# Boxes (seconds) through the environment: GRAPH_TESTS_S, GRAPHS_S, EAGER_S, COMPILED_S,
+# Boxes (seconds) through the environment: GRAPH_TESTS_S, DRAFT_TESTS_S, GRAPHS_S, EAGER_S, COMPILED_S,
 # TESTS_S; BENCH_ARGS are added to every bench.gpu run, GRAPHS_ARGS and EAGER_ARGS to
 # one; TEST_DEVICE (default cuda) is the tests' --device, so that
 # `BENCH_ARGS="--device cpu --smoke" TEST_DEVICE=cpu` tries it here.
@@ -51,6 +53,8 @@ pytest=("$py" -m pytest -q --maxfail=20 -p no:cacheprovider --device "${TEST_DEV
 for check in ${CHECKS:-graph_tests graphs eager tests}; do
     case $check in
     graph_tests) box graph_tests "${GRAPH_TESTS_S:-100}" "${pytest[@]}" tests/specdec/test_cuda_graphs.py ;;
+    draft_tests) box draft_tests "${DRAFT_TESTS_S:-90}" "${pytest[@]}" tests/specdec/test_draft_steps.py \
+        tests/specdec/test_row_attention.py -k "cuda_graph or row_attention or grouped" ;;
     graphs) box graphs "${GRAPHS_S:-220}" "$py" -m bench.gpu --execution-mode cuda_graph --profile \
         --out "$out/graphs" ${BENCH_ARGS:-} ${GRAPHS_ARGS:-} ;;
     eager) box eager "${EAGER_S:-300}" "$py" -m bench.gpu --execution-mode eager --out "$out/eager" \
@@ -62,7 +66,7 @@ for check in ${CHECKS:-graph_tests graphs eager tests}; do
     esac
 done
 
-for log in graph_tests tests; do
+for log in graph_tests draft_tests tests; do
     [ -f "$out/$log.log" ] && tail -n 3 "$out/$log.log" >>"$out/summary.txt"
 done
 "$py" - "$out" <<'EOF' | tee -a "$out/summary.txt"
@@ -79,7 +83,10 @@ for mode in ("graphs", "eager", "compiled"):
     print(f"{mode}: bandwidth {r.get('bandwidth_gb_s', 0):.0f} GB/s")
     for kind, rows in r.get("passes", {}).items():
         for key, v in rows.items():
-            print(f"  {kind} {key}: {v['ms']:.2f} ms, floor {v['floor_ms']:.2f} ms ({v['floor_fraction']:.2f})")
+            if "floor_ms" in v:
+                print(f"  {kind} {key}: {v['ms']:.2f} ms, floor {v['floor_ms']:.2f} ms ({v['floor_fraction']:.2f})")
+            else:  # a fused draft round: its steps against as many single steps
+                print(f"  {kind} {key}: {v['ms']:.2f} ms ({v['vs_single_steps']:.2f}x single steps)")
     for batch, row in r.get("decoding", {}).items():
         parts = [f"plain {row['plain']:.0f}"]
         parts += [f"{k} {v['tokens_per_s']:.0f} ({v['speedup_vs_plain']:.2f}x)" for k, v in row.items() if k != "plain"]
@@ -92,5 +99,6 @@ for mode in ("graphs", "eager", "compiled"):
         for k in prof["top_kernels"][:6]:
             print(f"    {k['ms_per_pass']:.3f} ms x{k['calls_per_pass']}: {k['name'][:90]}")
     for name, rec in r.get("record_s", {}).items():
-        print(f"  {name}: {rec['graphs']} graphs recorded in {rec['total_s']} s")
+        print(f"  {name}: {rec['graphs']} graphs recorded in {rec['total_s']} s; "
+              f"memory {rec.get('memory_gb')} GB, reserve {rec.get('reserve_gb')} GB")
 EOF
