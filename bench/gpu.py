@@ -500,7 +500,7 @@ def record_fused(draft: ModelRunner, fused, args, kv_lens: list[int]) -> dict:
             draft.add(sid)
         draft.forward_padded(ids, [[1] * (max(kv_lens) - 1)] * batch, last_only=True)
         for kv in sorted(kv_lens, reverse=True):
-            for steps in (k, k - 1):
+            for steps in (k - 1, k):  # (rollbacks only shrink: the longer row first)
                 if steps < 1 or kv - steps < 1:
                     continue
                 for sid in ids:

@@ -160,12 +160,13 @@ def test_graph_greedy_speculation_equals_generate(name, family_models, device):
     target = graphed(target_dir, device, max_num_seqs=2, max_model_len=256)
     draft = graphed(draft_dir, device, max_num_seqs=2, max_model_len=256)
     assert_greedy_speculation_is_generate(target, draft, target_dir, tokenizer, 20)
-    queries = {s.queries for s in target._graphs().inputs}
-    assert 5 in queries  # verifications of 4 drafts ran on graphs
+    graphs = target._graphs()
     if torch.device(device).type == "cuda" and name in UNRECORDABLE_ON_CUDA:
-        assert target._graphs().failed and not target._graphs().record_seconds
+        # every recording failed (logged; the passes ran eager, exact as above)
+        assert graphs.failed and not graphs.record_seconds
     else:
-        assert not target._graphs().failed and not draft._graphs().failed
+        assert 5 in {s.queries for s in graphs.inputs}  # verifications of 4 drafts on graphs
+        assert not graphs.failed and not draft._graphs().failed
 
 
 def test_compiled_runners_record_inductor_graphs_on_cuda(tiny_target, tiny_draft, device):

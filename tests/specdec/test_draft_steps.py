@@ -151,8 +151,14 @@ def test_fused_steps_propose_what_step_by_step_proposes(
     )
     if name != "opt":
         assert stops_in_fused >= 1  # a count set inside a graph, compared
-    # Rounds that fed one committed token ran their first step in a graph too.
-    assert first_steps.count(0) >= 10 and max(first_steps) >= 2, first_steps
+    # Rounds that fed one committed token ran their first step in a graph too. Where
+    # drafting stops early (a CPU) graphs grow 1, 2, 3, ... steps, so some start past the
+    # second position; elsewhere a round's steps after its first pass are one graph.
+    assert first_steps.count(0) >= 10, first_steps
+    if fused.stop_early:
+        assert max(first_steps) >= 2, first_steps
+    else:
+        assert set(first_steps) <= {0, 1}, first_steps
     assert not fused.fused.eager_shapes
     if mode == "torch_compile":
         assert not compiled._compiled.eager_shapes
