@@ -129,16 +129,25 @@ class GraphRecorder:
         self.max_failures = MAX_FAILURES
         self.disabled = False
         self._pool = torch.cuda.graph_pool_handle() if self.record else None
+        # One recording stream for every capture: the allocator reuses a freed block only
+        # on the stream it was allocated on, so a new stream per capture would leave every
+        # earlier graph's transients unusable and grow the pool by a pass's peak per graph.
+        self._stream = torch.cuda.Stream(self.device) if self.record else None
 
     def memory_bytes(self) -> int:
         """What the recorded graphs hold now [bytes]: their pool's segments and the shared
         output buffers (0 off CUDA, where nothing is recorded)."""
+        shared = sum(b.numel() * b.element_size() for b in self._shared.values())
+        return self.pool_bytes() + shared
+
+    def pool_bytes(self) -> int:
+        """The segments of the graphs' shared memory pool [bytes]: the transients of the
+        largest pass recorded, whatever the number of graphs (0 off CUDA)."""
         if not self.record:
             return 0
         pool = tuple(self._pool)
         segments = torch.cuda.memory_snapshot()
-        held = sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == pool)
-        return held + sum(b.numel() * b.element_size() for b in self._shared.values())
+        return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == pool)
 
     def replay(self, key, rows: int, share=None):
         """The outputs of ``key``'s graph over its inputs (which the caller has filled),
@@ -162,7 +171,7 @@ class GraphRecorder:
         before recording write what the call writes); None if that failed (then eager)."""
         start = time.perf_counter()
         try:
-            side = torch.cuda.Stream(self.device)
+            side = self._stream
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
