@@ -8,6 +8,9 @@ mask. Here the runner passes, per forward, where each row's queries sit (:class:
 and this function, registered with transformers' ``AttentionInterface`` as
 :data:`ROW_ATTENTION`, decides per layer type:
 
+- where the runner asks for them (a GPU with Triton), a pass of up to
+  :data:`MAX_SLOT_QUERIES` queries a row on :mod:`specdec.slot_attention`'s kernels: no
+  mask, each query bounded by its own position, grouped heads reading their KV head;
 - no mask where each query reads exactly its own prefix: one query per row at a common end
   (decode), or a pass from position 0 with no padding (prefill), SDPA's own causal flag;
 - else a boolean mask built from the row positions, once per layer type per pass, on the
@@ -34,6 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec import slot_attention
 from specdec.attention import SLIDING, AttentionLayout, build_masks
 
 ROW_ATTENTION = "specserve_rows"  # the name models are switched to
@@ -56,6 +60,12 @@ def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 ROW_SPANS_KWARG = "specserve_row_spans"  # the forward keyword that carries RowSpans
+
+# Queries per row up to which a pass attends by :mod:`specdec.slot_attention` where its
+# kernels run (a GPU with Triton): a round's passes (decode, a verification of up to 9
+# positions, a draft's steps) and short prefill chunks. Longer passes are prefill, which
+# SDPA's causal flash kernel runs unmasked from position 0.
+MAX_SLOT_QUERIES = 16
 
 
 class RowAttentionUnavailable(RuntimeError):
@@ -83,6 +93,9 @@ class RowSpans:
     # Keys padded past the longest row (a CUDA graph's static key count, specdec.cuda_graphs):
     # every pass masks, even one query of one row.
     keys_padded: bool = False
+    # A pass of up to MAX_SLOT_QUERIES queries a row attends by specdec.slot_attention's
+    # kernels (the runner's choice: where they run compiled, a GPU with Triton).
+    slot_kernel: bool = False
     # What the runner passes as the model's attention_mask: an empty 4-D tensor, which
     # transformers hands to every layer untouched (it builds no mask of its own then).
     no_mask: torch.Tensor | dict[str, torch.Tensor] = field(init=False, repr=False)
@@ -166,7 +179,17 @@ def row_attention(
     if not isinstance(layer_idx, int) or not 0 <= layer_idx < spans.layout.num_layers:
         raise RowAttentionUnavailable(f"{type(module).__name__} has no usable layer_idx")
     spans.calls += 1
-    mask, is_causal = spans.mask(spans.layout.layer_types[layer_idx])
+    layer_type = spans.layout.layer_types[layer_idx]
+    n = query.shape[2]
+    # (Inside an Inductor graph, the masked path: it fuses its own kernels.)
+    if spans.slot_kernel and n <= MAX_SLOT_QUERIES and not torch.compiler.is_compiling():
+        window = spans.layout.sliding_window if layer_type == SLIDING else None
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = slot_attention.slot_attention(
+            query, key, value, spans.query_positions, spans.kv_len, scale, window
+        )  # [b, n, heads, dv]
+        return out, None
+    mask, is_causal = spans.mask(layer_type)
     groups = query.shape[1] // key.shape[1]
     # On CUDA no fused kernel takes grouped heads and a mask together (flash takes no
     # mask, memory-efficient no groups): SDPA would fall to its math kernel, which

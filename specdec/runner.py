@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, modeling_utils
 
+from specdec import slot_attention
 from specdec.attention import (
     attention_layout,
     build_masks,
@@ -53,6 +54,9 @@ from specdec.row_attention import (
     sdpa_backends,
 )
 
+# Attention kinds a runner takes (ModelRunner._attention_choice says what each does).
+ATTENTION_BACKENDS = ("rows", "slots", "masks")
+
 logger = logging.getLogger("specserve.runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,8 +79,10 @@ class ModelRunner:
     (:mod:`specdec.attention`); a config with layer types it cannot mask raises
     :class:`specdec.attention.UnsupportedModelError` before any weight is loaded.
     ``attention_backend="rows"`` (the default) runs an SDPA model's attention by row
-    positions (:mod:`specdec.row_attention`: no repeat_kv, masks only where needed); the
-    probe at load falls back to ``"masks"`` (4-D masks, the reference) where it cannot.
+    positions (:mod:`specdec.row_attention`: no repeat_kv, masks only where needed; on a
+    GPU with Triton a round's passes on :mod:`specdec.slot_attention`'s kernels, no mask
+    at all); the probe at load falls back to ``"masks"`` (4-D masks, the reference)
+    where it cannot.
 
     The KV cache is allocated once, here: ``max_num_seqs`` slots of ``max_model_len``
     tokens, or fewer when the budget (``kv_cache_memory_bytes``, or
@@ -125,16 +131,12 @@ class ModelRunner:
             model_name = type(model).__name__
         self.model = model.to(self.device)
         self.model.eval()
-        if attention_backend not in ("rows", "masks"):
-            raise ValueError(
-                f"attention_backend must be 'rows' or 'masks', got {attention_backend!r}"
-            )
         # Eager attention adds the mask to its scores; SDPA takes a boolean one.
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         self._mask_dtype = self.model.dtype if impl == "eager" else None
         # Attention by row positions (specdec.row_attention) where the model runs SDPA;
         # the probe below falls back to 4-D masks if the model cannot.
-        self._row_attention = attention_backend == "rows" and impl == "sdpa"
+        self._row_attention, self._slot_kernel = self._attention_choice(attention_backend, impl)
         self._last_spans: RowSpans | None = None  # the last pass's (the probe checks it)
         self._compiled: CompiledForward | None = None  # set once the probe has run eagerly
         self._graph_mode = False  # likewise (execution_mode="cuda_graph")
@@ -328,6 +330,25 @@ class ModelRunner:
         """What the KV budget leaves to this runner's CUDA graphs [bytes] (``graphs`` of
         :attr:`activation_peaks`): held for good, beside the eager passes' transients."""
         return self.activation_peaks.get("graphs", 0)
+
+    def _attention_choice(self, backend: str, impl: str) -> tuple[bool, bool]:
+        """(attention by row positions, a round's passes on the slot-attention kernels)
+        for ``attention_backend``: ``rows`` (the default) attends by rows where the model
+        runs SDPA, on the kernels where they run compiled (CUDA with Triton); ``slots``
+        asks for the kernels wherever Triton runs them (a CPU under Triton's interpreter:
+        the tests); ``masks`` is the 4-D masks reference."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}"
+            )
+        if backend == "slots" and not slot_attention.runs_on(self.device):
+            raise ValueError(
+                "attention_backend='slots' runs Triton kernels: a CUDA device with Triton "
+                "installed, or a CPU under TRITON_INTERPRET=1 (set before Triton is imported)"
+            )
+        rows = backend != "masks" and impl == "sdpa"
+        on_gpu = self.device.type == "cuda" and slot_attention.runs_on(self.device)
+        return rows, rows and (backend == "slots" or on_gpu)
 
     def _will_record(self, mode: str) -> bool:
         """Whether this runner's passes will replay CUDA graphs (as :meth:`_uses_graphs`
@@ -732,7 +753,13 @@ class ModelRunner:
         layout = BatchLayout(inputs.slots, inputs.write_positions, inputs.kv_range, None, None)
         self.cache.layout = layout
         spans = RowSpans(
-            self.attention, inputs.position_ids, inputs.kv_range, False, True, keys_padded=True
+            self.attention,
+            inputs.position_ids,
+            inputs.kv_range,
+            False,
+            True,
+            keys_padded=True,
+            slot_kernel=self._slot_kernel,
         )
         kwargs = dict(
             input_ids=inputs.input_ids,
@@ -838,7 +865,15 @@ class ModelRunner:
         writes = positions if write_positions is None else write_positions
         self.cache.layout = BatchLayout(slots, writes, kv_range, None, None)
         # (compiled runners attend by rows: a mask per row, built in the graph)
-        spans = RowSpans(self.attention, positions, kv_range, False, True, keys_padded=keys_padded)
+        spans = RowSpans(
+            self.attention,
+            positions,
+            kv_range,
+            False,
+            True,
+            keys_padded=keys_padded,
+            slot_kernel=self._slot_kernel,
+        )
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -938,7 +973,14 @@ class ModelRunner:
         positions for attention by rows (a mask per row in a compiled pass), else the 4-D
         masks (:meth:`_mask`)."""
         if self._row_attention:
-            spans = RowSpans(self.attention, position_ids, kv_range, plan.same_start, compiled)
+            spans = RowSpans(
+                self.attention,
+                position_ids,
+                kv_range,
+                plan.same_start,
+                compiled,
+                slot_kernel=self._slot_kernel,
+            )
             self._last_spans = spans
             return {"attention_mask": spans.model_mask(), ROW_SPANS_KWARG: spans}
         return {"attention_mask": self._mask(plan, position_ids)}

@@ -9,11 +9,18 @@ such as the GPU machine lent to some sessions."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+# Where no GPU runs Triton, its interpreter runs specdec.slot_attention's kernels on the
+# CPU (tests/specdec/test_slot_attention.py). Triton reads this when imported, so here;
+# nothing else changes, since a runner uses the kernels on a CPU only when asked to.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 # What the model specs of tests about other things than compiled execution carry: eager

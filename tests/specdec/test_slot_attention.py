@@ -1,0 +1,114 @@
+"""The slot-attention kernels (:mod:`specdec.slot_attention`) against the masks reference.
+
+On a CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, which
+``available`` requires there); with ``--device cuda`` compiled, as a server runs them.
+"""
+
+import random
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from specdec import slot_attention as sa
+from specdec.attention import FULL, SLIDING, AttentionLayout, build_masks
+from specdec.runner import ModelRunner
+from tests.specdec.test_row_attention import GQA, MIXED, STEPS, _model
+from tests.specdec.test_row_attention import SLIDING as SLIDING_CFG
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def kernels(device) -> torch.device:
+    """The kernels' device: compiled on CUDA, else Triton's interpreter (tests/conftest.py
+    sets TRITON_INTERPRET where no GPU is)."""
+    assert sa.runs_on(torch.device(device))
+    return torch.device(device)
+
+
+def _reference(query, key, value, positions, kv_len, scale, window, slots):
+    """SDPA over keys copied out per query head, masked by :func:`build_masks`."""
+    b, heads, n, _ = query.shape
+    groups = heads // key.shape[1]
+    k = repeat_kv(key[slots, :, :kv_len].float(), groups)
+    v = repeat_kv(value[slots, :, :kv_len].float(), groups)
+    layout = AttentionLayout(1, (SLIDING if window else FULL,), window, False)
+    mask = build_masks(layout, positions.expand(b, n), kv_len)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), k, v, attn_mask=mask, scale=scale
+    )  # [b, heads, n, dv]
+    return out.transpose(1, 2)
+
+
+# (rows, heads, kv heads, queries, head dim, value dim, keys, window, splits, dtype):
+# one query of one head; Llama 3's 4:1 groups at ragged ends in several key spans; a
+# window and head sizes off the powers of two; keys and values of other sizes (latent
+# attention); more (group head, query) rows than one program takes; bfloat16.
+CASES = [
+    (1, 4, 1, 1, 16, 16, 40, None, 1, torch.float32),
+    (3, 8, 2, 5, 16, 16, 100, None, None, torch.float32),
+    (2, 4, 4, 9, 24, 24, 130, 17, 3, torch.float32),
+    (2, 4, 2, 3, 24, 8, 70, None, 2, torch.float32),
+    (1, 16, 1, 9, 16, 16, 50, 7, 2, torch.float32),
+    (2, 32, 8, 6, 64, 64, 300, None, None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}x{c[2]}heads-{c[3]}q-{c[9]}")
+def test_the_kernels_equal_masked_attention(case, kernels):
+    """Ragged rows read from shuffled slots, each query bounded by its own position (and
+    window): the kernels give masked SDPA's output; a window one key off does not."""
+    b, heads, kv_heads, n, d, dv, kv_len, window, splits, dtype = case
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=kernels)
+
+    key, value = randn(5, kv_heads, kv_len + 3, d), randn(5, kv_heads, kv_len + 3, dv)
+    query = randn(b, heads, n, d)
+    slots = torch.tensor(rng.sample(range(5), b), device=kernels)
+    ends = [rng.randint(n, kv_len) for _ in range(b)]
+    positions = torch.tensor([[e - n + j for j in range(n)] for e in ends], device=kernels)
+    got = sa.slot_attention(query, key, value, positions, kv_len, d**-0.5, window, slots, splits)
+    assert got.shape == (b, n, heads, dv) and got.dtype == dtype
+    want = _reference(query, key, value, positions, kv_len, d**-0.5, window, slots)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.float(), want, **tol)
+    if window:  # the twin that must fail: the window one key wider
+        wider = _reference(query, key, value, positions, kv_len, d**-0.5, window + 1, slots)
+        assert not torch.allclose(got.float(), wider, **tol)
+
+
+@pytest.mark.parametrize("cfg", [GQA, SLIDING_CFG, MIXED], ids=["llama-gqa", "mistral", "qwen2"])
+def test_a_runner_on_the_kernels_equals_the_masks_reference(cfg, kernels, monkeypatch):
+    """Every kind of pass of test_row_attention (prefill, ragged chunks, decode at common
+    and ragged ends, verification with padded rows, past every window) with attention by
+    rows on the kernels: the logits of the masks reference, and the kernels ran for every
+    pass of up to MAX_SLOT_QUERIES queries."""
+
+    def runner(backend: str) -> ModelRunner:
+        return ModelRunner(
+            _model(cfg), max_num_seqs=4, max_model_len=64, attention_backend=backend, device=kernels
+        )
+
+    rows, masks = runner("slots"), runner("masks")
+    assert rows._slot_kernel and not masks._row_attention
+    calls = []
+    run = sa.slot_attention
+
+    def counted(query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return run(query, *args, **kwargs)
+
+    monkeypatch.setattr(sa, "slot_attention", counted)
+    for r in (rows, masks):
+        for sid in "abc":
+            r.add(sid)
+    for step, (ids, toks) in enumerate(STEPS):
+        for g, w in zip(rows.forward(ids, toks), masks.forward(ids, toks), strict=True):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=f"step {step}")
+    # every pass here has at most MAX_SLOT_QUERIES queries a row: each layer of each ran
+    assert len(calls) == rows.attention.num_layers * len(STEPS)
+    assert set(calls) == {len(max(toks, key=len)) for _, toks in STEPS}
