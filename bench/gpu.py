@@ -47,7 +47,7 @@ from specdec.cuda_graphs import KV_BLOCK
 from specdec.draft_steps import GraphedDraftSteps
 from specdec.execution import EXECUTION_MODES, default_execution_mode
 from specdec.kv_cache import check_transformers_version
-from specdec.runner import ModelRunner
+from specdec.runner import ATTENTION_BACKENDS, ModelRunner
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 TARGET, DRAFT = "llama-3.1-8b", "llama-3.2-1b"
@@ -462,6 +462,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="directory for the JSON and PNG (default bench/results)",
     )
     ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=list(ATTENTION_BACKENDS),
+        help="SpecServe's runners' attention_backend (auto: on a GPU a round's passes on "
+        "specdec.slot_attention's Triton kernels; rows: by rows through SDPA alone)",
+    )
+    ap.add_argument(
         "--execution-mode",
         default=None,
         choices=list(EXECUTION_MODES),
@@ -568,6 +575,7 @@ def main(argv=None) -> None:
             max_num_seqs=max(args.batches),
             max_model_len=length,
             execution_mode=args.execution_mode,
+            attention_backend=args.attention,
             # the peaks the KV budget leaves free, graphs' included (record_graphs compares)
             reserve_activations=True,
         )

@@ -13,6 +13,8 @@
 #                step, and attention by row positions, on the GPU;
 #   graphs:      bench.gpu with the runners on CUDA graphs (cuda_graph), a profile of a
 #                verification and a draft step first, peers included;
+#   graphs_rows: the same on attention by rows through SDPA alone (--attention rows: no
+#                slot-attention kernels), without the peers: the kernels' reference;
 #   eager:       bench.gpu with the eager runners (the reference), peers included;
 #   compiled:    bench.gpu with Inductor's kernels (torch_compile; on CUDA recorded as CUDA
 #                graphs), without the peers;
@@ -21,7 +23,7 @@
 # peer (whose warm-up is 32 s); the compiled section did not finish compiling the 8B and
 # 1B graphs in 150 s; the tests ran 16 in 100 s with -n 4. A lease has 15 minutes, a
 # machine's start included: give the boxes to what the session needs most.
-# Boxes (seconds) through the environment: GRAPH_TESTS_S, DRAFT_TESTS_S, GRAPHS_S, EAGER_S, COMPILED_S,
+# Boxes (seconds) through the environment: GRAPH_TESTS_S, DRAFT_TESTS_S, GRAPHS_S, GRAPHS_ROWS_S, EAGER_S, COMPILED_S,
 # TESTS_S; BENCH_ARGS are added to every bench.gpu run, GRAPHS_ARGS and EAGER_ARGS to
 # one; TEST_DEVICE (default cuda) is the tests' --device, so that
 # `BENCH_ARGS="--device cpu --smoke" TEST_DEVICE=cpu` tries it here.
@@ -54,9 +56,12 @@ for check in ${CHECKS:-graph_tests graphs eager tests}; do
     case $check in
     graph_tests) box graph_tests "${GRAPH_TESTS_S:-100}" "${pytest[@]}" tests/specdec/test_cuda_graphs.py ;;
     draft_tests) box draft_tests "${DRAFT_TESTS_S:-90}" "${pytest[@]}" tests/specdec/test_draft_steps.py \
-        tests/specdec/test_row_attention.py -k "cuda_graph or row_attention or grouped" ;;
+        tests/specdec/test_row_attention.py tests/specdec/test_slot_attention.py \
+        -k "cuda_graph or row_attention or grouped or slot_attention or kernels" ;;
     graphs) box graphs "${GRAPHS_S:-220}" "$py" -m bench.gpu --execution-mode cuda_graph --profile \
         --out "$out/graphs" ${BENCH_ARGS:-} ${GRAPHS_ARGS:-} ;;
+    graphs_rows) box graphs_rows "${GRAPHS_ROWS_S:-120}" "$py" -m bench.gpu --execution-mode cuda_graph \
+        --attention rows --profile --no-peers --out "$out/graphs_rows" ${BENCH_ARGS:-} ${GRAPHS_ROWS_ARGS:-} ;;
     eager) box eager "${EAGER_S:-300}" "$py" -m bench.gpu --execution-mode eager --out "$out/eager" \
         ${BENCH_ARGS:-} ${EAGER_ARGS:-} ;;
     compiled) box compiled "${COMPILED_S:-160}" "$py" -m bench.gpu --execution-mode torch_compile \
@@ -73,7 +78,7 @@ done
 import json, sys
 from pathlib import Path
 
-for mode in ("graphs", "eager", "compiled"):
+for mode in ("graphs", "graphs_rows", "eager", "compiled"):
     found = sorted((Path(sys.argv[1]) / mode).glob("gpu*.json"))
     path = found[0] if found else Path("missing")
     if not path.exists():

@@ -64,6 +64,9 @@ class BatchLayout:
     kv_range: torch.Tensor
     contiguous_from: int | None  # first slot if slots == range(first, first + batch)
     write_start: int | None = None  # every row writes at [write_start, write_start + n)
+    # Attention reads the rows' slots in the cache itself (specdec.slot_attention's
+    # kernels): each layer hands it its whole [slots, kv_heads, capacity, dim] tensors.
+    in_place: bool = False
 
     @property
     def kv_len(self) -> int:
@@ -137,6 +140,8 @@ class _SlotLayer(CacheLayerMixin):
 
     @staticmethod
     def _read(t: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        if layout.in_place:
+            return t
         if layout.contiguous_from is not None:
             first = layout.contiguous_from
             return t[first : first + layout.slots.shape[0], :, : layout.kv_len]

@@ -93,9 +93,12 @@ class RowSpans:
     # Keys padded past the longest row (a CUDA graph's static key count, specdec.cuda_graphs):
     # every pass masks, even one query of one row.
     keys_padded: bool = False
-    # A pass of up to MAX_SLOT_QUERIES queries a row attends by specdec.slot_attention's
-    # kernels (the runner's choice: where they run compiled, a GPU with Triton).
+    # The pass attends by specdec.slot_attention's kernels (the runner's choice: up to
+    # MAX_SLOT_QUERIES queries a row where the kernels run compiled, a GPU with Triton),
+    # reading keys and values in the cache: every layer is given the whole cache tensors,
+    # and ``slots`` ([batch] int64) says which of their rows each query row reads.
     slot_kernel: bool = False
+    slots: torch.Tensor | None = None
     # What the runner passes as the model's attention_mask: an empty 4-D tensor, which
     # transformers hands to every layer untouched (it builds no mask of its own then).
     no_mask: torch.Tensor | dict[str, torch.Tensor] = field(init=False, repr=False)
@@ -180,13 +183,11 @@ def row_attention(
         raise RowAttentionUnavailable(f"{type(module).__name__} has no usable layer_idx")
     spans.calls += 1
     layer_type = spans.layout.layer_types[layer_idx]
-    n = query.shape[2]
-    # (Inside an Inductor graph, the masked path: it fuses its own kernels.)
-    if spans.slot_kernel and n <= MAX_SLOT_QUERIES and not torch.compiler.is_compiling():
+    if spans.slot_kernel:  # key, value: [slots, kv_heads, capacity, d] (the cache's)
         window = spans.layout.sliding_window if layer_type == SLIDING else None
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = slot_attention.slot_attention(
-            query, key, value, spans.query_positions, spans.kv_len, scale, window
+            query, key, value, spans.query_positions, spans.kv_len, scale, window, spans.slots
         )  # [b, n, heads, dv]
         return out, None
     mask, is_causal = spans.mask(layer_type)

@@ -47,6 +47,7 @@ from specdec.kv_manager import SlotTable
 from specdec.low_rank import LowRankUpdate, merged, unfit_factors
 from specdec.peak_memory import PeakMemory
 from specdec.row_attention import (
+    MAX_SLOT_QUERIES,
     ROW_ATTENTION,
     ROW_SPANS_KWARG,
     RowAttentionUnavailable,
@@ -55,7 +56,7 @@ from specdec.row_attention import (
 )
 
 # Attention kinds a runner takes (ModelRunner._attention_choice says what each does).
-ATTENTION_BACKENDS = ("rows", "slots", "masks")
+ATTENTION_BACKENDS = ("auto", "slots", "rows", "masks")
 
 logger = logging.getLogger("specserve.runner")
 
@@ -78,11 +79,11 @@ class ModelRunner:
     Sliding-window layers get their window in every mask the runner builds
     (:mod:`specdec.attention`); a config with layer types it cannot mask raises
     :class:`specdec.attention.UnsupportedModelError` before any weight is loaded.
-    ``attention_backend="rows"`` (the default) runs an SDPA model's attention by row
+    ``attention_backend="auto"`` (the default) runs an SDPA model's attention by row
     positions (:mod:`specdec.row_attention`: no repeat_kv, masks only where needed; on a
     GPU with Triton a round's passes on :mod:`specdec.slot_attention`'s kernels, no mask
-    at all); the probe at load falls back to ``"masks"`` (4-D masks, the reference)
-    where it cannot.
+    at all; ``"rows"``: never the kernels, ``"slots"``: wherever Triton runs them); the
+    probe at load falls back to ``"masks"`` (4-D masks, the reference) where it cannot.
 
     The KV cache is allocated once, here: ``max_num_seqs`` slots of ``max_model_len``
     tokens, or fewer when the budget (``kv_cache_memory_bytes``, or
@@ -110,7 +111,7 @@ class ModelRunner:
         kv_cache_memory_fraction: float | None = None,
         defer_kv: bool = False,
         kv_shared_with: ModelRunner | None = None,
-        attention_backend: str = "rows",
+        attention_backend: str = "auto",
         execution_mode: str = EAGER,
         max_compiled_query_len: int = 32,
         reserve_activations: bool = False,
@@ -166,6 +167,7 @@ class ModelRunner:
                 max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction, kv_shared_with
             )
         self._compiled = self._compiled_forward(execution_mode, model_name)
+        self._slot_kernel &= self._compiled is None  # (Inductor fuses its own attention)
         self._graph_mode = self._uses_graphs(execution_mode, model_name)
         self._graphed: GraphedForward | None = None
         self._name = model_name
@@ -333,14 +335,13 @@ class ModelRunner:
 
     def _attention_choice(self, backend: str, impl: str) -> tuple[bool, bool]:
         """(attention by row positions, a round's passes on the slot-attention kernels)
-        for ``attention_backend``: ``rows`` (the default) attends by rows where the model
-        runs SDPA, on the kernels where they run compiled (CUDA with Triton); ``slots``
-        asks for the kernels wherever Triton runs them (a CPU under Triton's interpreter:
-        the tests); ``masks`` is the 4-D masks reference."""
+        for ``attention_backend``, where the model runs SDPA: ``auto`` (the default) by
+        rows, on the kernels where they run compiled (CUDA with Triton); ``slots`` on the
+        kernels wherever Triton runs them (a CPU under its interpreter: the tests);
+        ``rows`` by rows through SDPA alone; ``masks``: the 4-D masks reference."""
         if backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}"
-            )
+            choices = ", ".join(ATTENTION_BACKENDS)
+            raise ValueError(f"attention_backend must be one of {choices}, got {backend!r}")
         if backend == "slots" and not slot_attention.runs_on(self.device):
             raise ValueError(
                 "attention_backend='slots' runs Triton kernels: a CUDA device with Triton "
@@ -348,7 +349,12 @@ class ModelRunner:
             )
         rows = backend != "masks" and impl == "sdpa"
         on_gpu = self.device.type == "cuda" and slot_attention.runs_on(self.device)
-        return rows, rows and (backend == "slots" or on_gpu)
+        return rows, rows and (backend == "slots" or (backend == "auto" and on_gpu))
+
+    def _in_place(self, n: int) -> bool:
+        """Whether a pass of ``n`` queries a row attends on the slot-attention kernels,
+        which read keys and values in the cache (:class:`BatchLayout` ``in_place``)."""
+        return self._row_attention and self._slot_kernel and n <= MAX_SLOT_QUERIES
 
     def _will_record(self, mode: str) -> bool:
         """Whether this runner's passes will replay CUDA graphs (as :meth:`_uses_graphs`
@@ -700,7 +706,7 @@ class ModelRunner:
                 input_ids=inputs.input_ids,
                 position_ids=inputs.position_ids,
                 past_key_values=self.cache,
-                **self._attention_args(plan, inputs.position_ids, inputs.layout.kv_range, compiled),
+                **self._attention_args(plan, inputs.position_ids, inputs.layout, compiled),
                 use_cache=True,
                 # Compiled: every position's logits (transformers' per-row selection
                 # specialises a graph on its sizes); _commit picks each row's last.
@@ -750,7 +756,10 @@ class ModelRunner:
         """The model over a graph's persistent inputs (what a CUDA graph records): keys up
         to the shape's padded count, each query masked to its row's own prefix. Returns
         ``[batch, queries, vocab]`` logits in the model's dtype."""
-        layout = BatchLayout(inputs.slots, inputs.write_positions, inputs.kv_range, None, None)
+        in_place = self._in_place(inputs.input_ids.shape[1])
+        layout = BatchLayout(
+            inputs.slots, inputs.write_positions, inputs.kv_range, None, None, in_place
+        )
         self.cache.layout = layout
         spans = RowSpans(
             self.attention,
@@ -759,7 +768,8 @@ class ModelRunner:
             False,
             True,
             keys_padded=True,
-            slot_kernel=self._slot_kernel,
+            slot_kernel=in_place,
+            slots=inputs.slots if in_place else None,
         )
         kwargs = dict(
             input_ids=inputs.input_ids,
@@ -863,7 +873,8 @@ class ModelRunner:
         if self.vocab_size > self.input_vocab_size:  # an id with no embedding row: fed as 0
             ids = torch.where(ids < self.input_vocab_size, ids, torch.zeros_like(ids))
         writes = positions if write_positions is None else write_positions
-        self.cache.layout = BatchLayout(slots, writes, kv_range, None, None)
+        in_place = self._in_place(1)
+        self.cache.layout = BatchLayout(slots, writes, kv_range, None, None, in_place)
         # (compiled runners attend by rows: a mask per row, built in the graph)
         spans = RowSpans(
             self.attention,
@@ -872,7 +883,8 @@ class ModelRunner:
             False,
             True,
             keys_padded=keys_padded,
-            slot_kernel=self._slot_kernel,
+            slot_kernel=in_place,
+            slots=slots if in_place else None,
         )
         out = self.model(
             input_ids=ids,
@@ -917,6 +929,7 @@ class ModelRunner:
             kv_range=torch.arange(plan.kv_len, device=dev),
             contiguous_from=first if contiguous and not compiled else None,
             write_start=plan.starts[0] if plan.same_start and not compiled else None,
+            in_place=self._in_place(plan.n),
         )
         return _PassInputs(input_ids, position_ids, layout)
 
@@ -967,7 +980,7 @@ class ModelRunner:
         return position_ids, position_ids.masked_fill(padded, self.cache.scratch_position)
 
     def _attention_args(
-        self, plan: _RowPlan, position_ids: torch.Tensor, kv_range: torch.Tensor, compiled: bool
+        self, plan: _RowPlan, position_ids: torch.Tensor, layout: BatchLayout, compiled: bool
     ) -> dict:
         """The model's keyword arguments that say what each query attends to: the rows'
         positions for attention by rows (a mask per row in a compiled pass), else the 4-D
@@ -976,10 +989,11 @@ class ModelRunner:
             spans = RowSpans(
                 self.attention,
                 position_ids,
-                kv_range,
+                layout.kv_range,
                 plan.same_start,
                 compiled,
-                slot_kernel=self._slot_kernel,
+                slot_kernel=layout.in_place,
+                slots=layout.slots if layout.in_place else None,
             )
             self._last_spans = spans
             return {"attention_mask": spans.model_mask(), ROW_SPANS_KWARG: spans}

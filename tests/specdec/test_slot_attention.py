@@ -8,11 +8,13 @@ import random
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from specdec import slot_attention as sa
 from specdec.attention import FULL, SLIDING, AttentionLayout, build_masks
 from specdec.runner import ModelRunner
+from tests.specdec.test_families import assert_greedy_speculation_is_generate
 from tests.specdec.test_row_attention import GQA, MIXED, STEPS, _model
 from tests.specdec.test_row_attention import SLIDING as SLIDING_CFG
 
@@ -95,20 +97,57 @@ def test_a_runner_on_the_kernels_equals_the_masks_reference(cfg, kernels, monkey
 
     rows, masks = runner("slots"), runner("masks")
     assert rows._slot_kernel and not masks._row_attention
-    calls = []
-    run = sa.slot_attention
-
-    def counted(query, *args, **kwargs):
-        calls.append(query.shape[2])
-        return run(query, *args, **kwargs)
-
-    monkeypatch.setattr(sa, "slot_attention", counted)
+    calls = _count_calls(monkeypatch)
     for r in (rows, masks):
         for sid in "abc":
             r.add(sid)
     for step, (ids, toks) in enumerate(STEPS):
         for g, w in zip(rows.forward(ids, toks), masks.forward(ids, toks), strict=True):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=f"step {step}")
-    # every pass here has at most MAX_SLOT_QUERIES queries a row: each layer of each ran
+    # every pass here has at most MAX_SLOT_QUERIES queries a row: each layer of each ran,
+    # reading keys and values in the cache (its 4 slots), not copies of the pass's rows
     assert len(calls) == rows.attention.num_layers * len(STEPS)
-    assert set(calls) == {len(max(toks, key=len)) for _, toks in STEPS}
+    assert {n for n, _, _ in calls} == {len(max(toks, key=len)) for _, toks in STEPS}
+    assert all(cache_rows == 4 and in_place for _, cache_rows, in_place in calls)
+
+
+def _count_calls(monkeypatch) -> list[tuple[int, int, bool]]:
+    """Each later call of the kernels as (queries a row, cache rows given, slots given)."""
+    calls = []
+    run = sa.slot_attention
+
+    def counted(query, key, *args, **kwargs):
+        slots = args[5] if len(args) > 5 else kwargs.get("slots")
+        calls.append((query.shape[2], key.shape[0], slots is not None))
+        return run(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(sa, "slot_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3", "deepseek-v3"])
+def test_graphed_runners_on_the_kernels_decode_as_generate(
+    name, family_models, kernels, monkeypatch
+):
+    """Target and draft as a server runs them on a GPU (``cuda_graph``: padded static
+    passes, a round's draft steps as one graph; on a CPU the same passes eagerly) on the
+    kernels: greedy speculative decoding gives transformers' greedy ``generate``. Grouped
+    heads, sliding and full layers mixed, keys and values of other sizes (latent
+    attention)."""
+    target_dir, draft_dir, tok_dir = family_models[name]
+    runners = [
+        ModelRunner(
+            path,
+            execution_mode="cuda_graph",
+            attention_backend="slots",
+            max_num_seqs=2,
+            max_model_len=256,
+            device=kernels,
+        )
+        for path in (target_dir, draft_dir)
+    ]
+    calls = _count_calls(monkeypatch)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    assert_greedy_speculation_is_generate(*runners, target_dir, tokenizer, 12)
+    assert {n for n, _, _ in calls} >= {1, 5}  # draft steps, verifications of 4 drafts
+    assert all(in_place for _, _, in_place in calls)
