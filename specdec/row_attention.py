@@ -99,6 +99,10 @@ class RowSpans:
     # and ``slots`` ([batch] int64) says which of their rows each query row reads.
     slot_kernel: bool = False
     slots: torch.Tensor | None = None
+    # The cache the pass reads (a SlotKVCache): in place, each layer must be given its
+    # own tensors; ``foreign_kv`` records a layer that got others (the runner's probe).
+    kv_cache: object | None = None
+    foreign_kv: bool = field(default=False, init=False)
     # What the runner passes as the model's attention_mask: an empty 4-D tensor, which
     # transformers hands to every layer untouched (it builds no mask of its own then).
     no_mask: torch.Tensor | dict[str, torch.Tensor] = field(init=False, repr=False)
@@ -183,7 +187,10 @@ def row_attention(
         raise RowAttentionUnavailable(f"{type(module).__name__} has no usable layer_idx")
     spans.calls += 1
     layer_type = spans.layout.layer_types[layer_idx]
-    if spans.slot_kernel:  # key, value: [slots, kv_heads, capacity, d] (the cache's)
+    if spans.slot_kernel:  # in place, key and value: [slots, kv_heads, capacity, d]
+        if spans.slots is not None and spans.kv_cache is not None:
+            layer = spans.kv_cache.layers[layer_idx]
+            spans.foreign_kv |= key is not layer.keys or value is not layer.values
         window = spans.layout.sliding_window if layer_type == SLIDING else None
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = slot_attention.slot_attention(

@@ -137,7 +137,10 @@ class ModelRunner:
         self._mask_dtype = self.model.dtype if impl == "eager" else None
         # Attention by row positions (specdec.row_attention) where the model runs SDPA;
         # the probe below falls back to 4-D masks if the model cannot.
-        self._row_attention, self._slot_kernel = self._attention_choice(attention_backend, impl)
+        self._row_attention, self._slot_kernel = self._attention_choice(
+            attention_backend, impl, execution_mode
+        )
+        self._kv_in_place = True  # (the probe may turn it off: _check_spans)
         self._last_spans: RowSpans | None = None  # the last pass's (the probe checks it)
         self._compiled: CompiledForward | None = None  # set once the probe has run eagerly
         self._graph_mode = False  # likewise (execution_mode="cuda_graph")
@@ -167,7 +170,6 @@ class ModelRunner:
                 max_num_seqs, kv_cache_memory_bytes, kv_cache_memory_fraction, kv_shared_with
             )
         self._compiled = self._compiled_forward(execution_mode, model_name)
-        self._slot_kernel &= self._compiled is None  # (Inductor fuses its own attention)
         self._graph_mode = self._uses_graphs(execution_mode, model_name)
         self._graphed: GraphedForward | None = None
         self._name = model_name
@@ -333,15 +335,19 @@ class ModelRunner:
         :attr:`activation_peaks`): held for good, beside the eager passes' transients."""
         return self.activation_peaks.get("graphs", 0)
 
-    def _attention_choice(self, backend: str, impl: str) -> tuple[bool, bool]:
+    def _attention_choice(self, backend: str, impl: str, mode: str) -> tuple[bool, bool]:
         """(attention by row positions, a round's passes on the slot-attention kernels)
         for ``attention_backend``, where the model runs SDPA: ``auto`` (the default) by
-        rows, on the kernels where they run compiled (CUDA with Triton); ``slots`` on the
-        kernels wherever Triton runs them (a CPU under its interpreter: the tests);
-        ``rows`` by rows through SDPA alone; ``masks``: the 4-D masks reference."""
+        rows, on the kernels where they run compiled (CUDA with Triton) for a 16-bit model
+        (in float32 their tiles spill registers); ``slots`` on the kernels wherever Triton
+        runs them (a CPU under its interpreter: the tests); ``rows`` by rows through SDPA
+        alone; ``masks``: the 4-D masks reference. Never in ``torch_compile`` mode, whose
+        graphs Inductor traces, attention included."""
         if backend not in ATTENTION_BACKENDS:
             choices = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(f"attention_backend must be one of {choices}, got {backend!r}")
+        if backend == "slots" and mode == TORCH_COMPILE:
+            raise ValueError("attention_backend='slots' with execution_mode='torch_compile'")
         if backend == "slots" and not slot_attention.runs_on(self.device):
             raise ValueError(
                 "attention_backend='slots' runs Triton kernels: a CUDA device with Triton "
@@ -349,12 +355,18 @@ class ModelRunner:
             )
         rows = backend != "masks" and impl == "sdpa"
         on_gpu = self.device.type == "cuda" and slot_attention.runs_on(self.device)
-        return rows, rows and (backend == "slots" or (backend == "auto" and on_gpu))
+        half = self.model.dtype in (torch.bfloat16, torch.float16)
+        auto = backend == "auto" and on_gpu and half and mode != TORCH_COMPILE
+        return rows, rows and (backend == "slots" or auto)
+
+    def _slot_pass(self, n: int) -> bool:
+        """Whether a pass of ``n`` queries a row attends on the slot-attention kernels."""
+        return self._row_attention and self._slot_kernel and n <= MAX_SLOT_QUERIES
 
     def _in_place(self, n: int) -> bool:
-        """Whether a pass of ``n`` queries a row attends on the slot-attention kernels,
-        which read keys and values in the cache (:class:`BatchLayout` ``in_place``)."""
-        return self._row_attention and self._slot_kernel and n <= MAX_SLOT_QUERIES
+        """Whether such a pass reads keys and values in the cache itself
+        (:class:`BatchLayout` ``in_place``), not copies of its rows."""
+        return self._slot_pass(n) and self._kv_in_place
 
     def _will_record(self, mode: str) -> bool:
         """Whether this runner's passes will replay CUDA graphs (as :meth:`_uses_graphs`
@@ -449,29 +461,56 @@ class ModelRunner:
     def _probe_kv(self) -> int:
         """The cache's bytes per token, learnt from one probe token (heads, head_dim and
         dtype per layer, whatever the family calls them); nothing is allocated for good."""
-        self.cache = SlotKVCache(self.attention.num_layers, num_slots=1, capacity=2)
         self.slots = SlotTable(1)
         self.add("kv-probe")
         try:
-            try:
-                self.forward_padded(["kv-probe"], [[0]], last_only=True)
-                if self._row_attention and self._last_spans.calls != self.attention.num_layers:
-                    raise RowAttentionUnavailable(
-                        f"{self._last_spans.calls} of {self.attention.num_layers} layers "
-                        "attended by row positions"
-                    )
-            except Exception as exc:  # whatever the model did with the row spans
-                if not self._row_attention:
-                    raise
-                logger.info("attention by 4-D masks (SDPA): %r", exc)
-                self.model.set_attn_implementation("sdpa")
-                self._row_attention = False
+            while True:
                 self.cache = SlotKVCache(self.attention.num_layers, num_slots=1, capacity=2)
-                self.forward_padded(["kv-probe"], [[0]], last_only=True)
+                try:
+                    self.forward_padded(["kv-probe"], [[0]], last_only=True)
+                    self._check_spans()
+                    break
+                except Exception as exc:  # whatever the model did with the row spans
+                    if not self._fall_back(exc):
+                        raise
         finally:
             self.free("kv-probe")
         self.slots = SlotTable(0)
         return self.cache.bytes_per_token()
+
+    def _check_spans(self) -> None:
+        """After the probe pass: every layer attended by row positions (else raise), and
+        the slot-attention kernels were given the cache's own tensors where they read it
+        in place (else, as DeepSeek-V3's latent attention, which expands what the cache
+        returns, they read gathered rows from now on: expanding the whole cache each pass
+        would cost every slot's every position)."""
+        if not self._row_attention:
+            return
+        spans = self._last_spans
+        if spans.calls != self.attention.num_layers:
+            raise RowAttentionUnavailable(
+                f"{spans.calls} of {self.attention.num_layers} layers attended by row positions"
+            )
+        if spans.foreign_kv:
+            logger.info(
+                "slot attention over gathered rows: the model attends over tensors it "
+                "makes from the cache's"
+            )
+            self._kv_in_place = False
+
+    def _fall_back(self, exc: Exception) -> bool:
+        """One step down after a failed probe pass: the slot-attention kernels, attention
+        by rows through SDPA, 4-D masks. False where nothing is left to fall back to."""
+        if self._slot_kernel:
+            logger.warning("slot-attention kernels off, attention by rows (SDPA): %r", exc)
+            self._slot_kernel = False
+            return True
+        if self._row_attention:
+            logger.info("attention by 4-D masks (SDPA): %r", exc)
+            self.model.set_attn_implementation("sdpa")
+            self._row_attention = False
+            return True
+        return False
 
     def allocate_kv(self, plan: KVPlan) -> None:
         """Allocate the cache for good (once): ``plan.num_slots`` slots of max_model_len."""
@@ -768,8 +807,9 @@ class ModelRunner:
             False,
             True,
             keys_padded=True,
-            slot_kernel=in_place,
+            slot_kernel=self._slot_pass(inputs.input_ids.shape[1]),
             slots=inputs.slots if in_place else None,
+            kv_cache=self.cache,
         )
         kwargs = dict(
             input_ids=inputs.input_ids,
@@ -883,8 +923,9 @@ class ModelRunner:
             False,
             True,
             keys_padded=keys_padded,
-            slot_kernel=in_place,
+            slot_kernel=self._slot_pass(1),
             slots=slots if in_place else None,
+            kv_cache=self.cache,
         )
         out = self.model(
             input_ids=ids,
@@ -992,8 +1033,9 @@ class ModelRunner:
                 layout.kv_range,
                 plan.same_start,
                 compiled,
-                slot_kernel=layout.in_place,
+                slot_kernel=self._slot_pass(plan.n),
                 slots=layout.slots if layout.in_place else None,
+                kv_cache=self.cache,
             )
             self._last_spans = spans
             return {"attention_mask": spans.model_mask(), ROW_SPANS_KWARG: spans}

@@ -164,7 +164,9 @@ def _split_kernel(
     for tile in range(0, TILES):
         t0 = start + tile * BLOCK_N
         if (t0 < stop) & (t0 + BLOCK_N > first):
-            t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache positions
+            # [BLOCK_N] cache positions, int64: a view's position stride can be large
+            # (DeepSeek-V3's values expanded from its latents: heads x 256 elements)
+            t = (t0 + tl.arange(0, BLOCK_N)).to(tl.int64)
             in_span = t < stop
             k = tl.load(
                 k_base + t[None, :] * sk_t + dd[:, None] * sk_d,

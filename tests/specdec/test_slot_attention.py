@@ -150,4 +150,43 @@ def test_graphed_runners_on_the_kernels_decode_as_generate(
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     assert_greedy_speculation_is_generate(*runners, target_dir, tokenizer, 12)
     assert {n for n, _, _ in calls} >= {1, 5}  # draft steps, verifications of 4 drafts
-    assert all(in_place for _, _, in_place in calls)
+    # In place, except where the model attends over tensors it makes from the cache's
+    # (DeepSeek-V3 expands its latents: over the whole cache, read in place): the probe
+    # at load saw that, and the kernels read the pass's rows gathered.
+    in_place = name != "deepseek-v3"
+    assert all(r._kv_in_place == in_place for r in runners)
+    assert all(flag == in_place for _, _, flag in calls)
+
+
+def test_kernels_that_fail_at_load_leave_attention_by_rows(kernels, monkeypatch, caplog):
+    """Kernels that cannot run (a failed Triton compile, say) fail the probe pass at load:
+    the runner then attends by rows through SDPA, not by the 4-D masks, and says so."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel did not compile")
+
+    monkeypatch.setattr(sa, "slot_attention", broken)
+    with caplog.at_level("WARNING", logger="specserve.runner"):
+        runner = ModelRunner(
+            _model(GQA), max_num_seqs=2, max_model_len=64, attention_backend="slots", device=kernels
+        )
+    assert runner._row_attention and not runner._slot_kernel
+    assert "slot-attention kernels off" in caplog.text
+    masks = ModelRunner(
+        _model(GQA), max_num_seqs=2, max_model_len=64, attention_backend="masks", device=kernels
+    )
+    for r in (runner, masks):
+        r.add("a")
+    torch.testing.assert_close(
+        runner.forward(["a"], [[1, 2, 3]])[0], masks.forward(["a"], [[1, 2, 3]])[0]
+    )
+
+
+def test_the_kernels_are_refused_where_inductor_compiles_attention(kernels):
+    with pytest.raises(ValueError, match="torch_compile"):
+        ModelRunner(
+            _model(GQA),
+            attention_backend="slots",
+            execution_mode="torch_compile",
+            device=kernels,
+        )
