@@ -186,18 +186,9 @@ def row_attention(
     if not isinstance(layer_idx, int) or not 0 <= layer_idx < spans.layout.num_layers:
         raise RowAttentionUnavailable(f"{type(module).__name__} has no usable layer_idx")
     spans.calls += 1
-    layer_type = spans.layout.layer_types[layer_idx]
-    if spans.slot_kernel:  # in place, key and value: [slots, kv_heads, capacity, d]
-        if spans.slots is not None and spans.kv_cache is not None:
-            layer = spans.kv_cache.layers[layer_idx]
-            spans.foreign_kv |= key is not layer.keys or value is not layer.values
-        window = spans.layout.sliding_window if layer_type == SLIDING else None
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        out = slot_attention.slot_attention(
-            query, key, value, spans.query_positions, spans.kv_len, scale, window, spans.slots
-        )  # [b, n, heads, dv]
-        return out, None
-    mask, is_causal = spans.mask(layer_type)
+    if spans.slot_kernel:
+        return _slot_attention(spans, layer_idx, query, key, value, scaling), None
+    mask, is_causal = spans.mask(spans.layout.layer_types[layer_idx])
     groups = query.shape[1] // key.shape[1]
     # On CUDA no fused kernel takes grouped heads and a mask together (flash takes no
     # mask, memory-efficient no groups): SDPA would fall to its math kernel, which
@@ -217,6 +208,30 @@ def row_attention(
         enable_gqa=in_place,
     )  # [b, heads, n, dv]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _slot_attention(
+    spans: RowSpans,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Layer ``layer_idx`` of a pass on :mod:`specdec.slot_attention`'s kernels: keys and
+    values ``[slots, kv_heads, capacity, d]`` read in place (``spans.slots`` set), else
+    the pass's rows ``[b, kv_heads, kv_len, d]``. Notes in ``spans.foreign_kv`` a layer
+    given other tensors than the cache's where it should read in place. Returns
+    ``[b, n, heads, dv]``."""
+    if spans.slots is not None and spans.kv_cache is not None:
+        layer = spans.kv_cache.layers[layer_idx]
+        spans.foreign_kv |= key is not layer.keys or value is not layer.values
+    sliding = spans.layout.layer_types[layer_idx] == SLIDING
+    window = spans.layout.sliding_window if sliding else None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return slot_attention.slot_attention(
+        query, key, value, spans.query_positions, spans.kv_len, scale, window, spans.slots
+    )
 
 
 def grouped_masked_attention(
