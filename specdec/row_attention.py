@@ -94,13 +94,12 @@ class RowSpans:
     # every pass masks, even one query of one row.
     keys_padded: bool = False
     # The pass attends by specdec.slot_attention's kernels (the runner's choice: up to
-    # MAX_SLOT_QUERIES queries a row where the kernels run compiled, a GPU with Triton),
-    # reading keys and values in the cache: every layer is given the whole cache tensors,
-    # and ``slots`` ([batch] int64) says which of their rows each query row reads.
+    # MAX_SLOT_QUERIES queries a row where the kernels run compiled, a GPU with Triton).
     slot_kernel: bool = False
-    slots: torch.Tensor | None = None
-    # The cache the pass reads (a SlotKVCache): in place, each layer must be given its
-    # own tensors; ``foreign_kv`` records a layer that got others (the runner's probe).
+    # The cache the pass reads (a SlotKVCache). Where its layout reads in place, every
+    # layer is given the whole cache tensors and the layout's slots say which of their
+    # rows each query row reads; ``foreign_kv`` records a layer given other tensors than
+    # the cache's own (the runner's probe looks).
     kv_cache: object | None = None
     foreign_kv: bool = field(default=False, init=False)
     # What the runner passes as the model's attention_mask: an empty 4-D tensor, which
@@ -219,18 +218,21 @@ def _slot_attention(
     scaling: float | None,
 ) -> torch.Tensor:
     """Layer ``layer_idx`` of a pass on :mod:`specdec.slot_attention`'s kernels: keys and
-    values ``[slots, kv_heads, capacity, d]`` read in place (``spans.slots`` set), else
-    the pass's rows ``[b, kv_heads, kv_len, d]``. Notes in ``spans.foreign_kv`` a layer
-    given other tensors than the cache's where it should read in place. Returns
+    values ``[slots, kv_heads, capacity, d]`` read in place (the cache's layout says so),
+    else the pass's rows ``[b, kv_heads, kv_len, d]``. Notes in ``spans.foreign_kv`` a
+    layer given other tensors than the cache's where it should read in place. Returns
     ``[b, n, heads, dv]``."""
-    if spans.slots is not None and spans.kv_cache is not None:
-        layer = spans.kv_cache.layers[layer_idx]
+    cache = spans.kv_cache
+    slots = None
+    if cache is not None and cache.layout.in_place:
+        slots = cache.layout.slots  # [batch] int64
+        layer = cache.layers[layer_idx]
         spans.foreign_kv |= key is not layer.keys or value is not layer.values
     sliding = spans.layout.layer_types[layer_idx] == SLIDING
     window = spans.layout.sliding_window if sliding else None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     return slot_attention.slot_attention(
-        query, key, value, spans.query_positions, spans.kv_len, scale, window, spans.slots
+        query, key, value, spans.query_positions, spans.kv_len, scale, window, slots
     )
 
 

@@ -808,7 +808,6 @@ class ModelRunner:
             True,
             keys_padded=True,
             slot_kernel=self._slot_pass(inputs.input_ids.shape[1]),
-            slots=inputs.slots if in_place else None,
             kv_cache=self.cache,
         )
         kwargs = dict(
@@ -924,7 +923,6 @@ class ModelRunner:
             True,
             keys_padded=keys_padded,
             slot_kernel=self._slot_pass(1),
-            slots=slots if in_place else None,
             kv_cache=self.cache,
         )
         out = self.model(
@@ -1034,7 +1032,6 @@ class ModelRunner:
                 plan.same_start,
                 compiled,
                 slot_kernel=self._slot_pass(plan.n),
-                slots=layout.slots if layout.in_place else None,
                 kv_cache=self.cache,
             )
             self._last_spans = spans
