@@ -1,6 +1,7 @@
 """Benchmark of the distributed pipeline on the demo pair (real Ray actors).
 
     python -m bench.pipeline        # writes bench/results/pipeline.json and pipeline.png
+    python -m bench.pipeline --shipped   # bench/results/pipeline_shipped.json
 
 For 1, 4 and 16 concurrent greedy requests it runs, side by side in one run:
 target-only (speculation off per request), sequential mode and overlap mode over direct
@@ -8,6 +9,14 @@ actor calls, and overlap mode over a Ray Compiled Graph (``transport: compiled_g
 It reports tokens/s, the per-round split measured in the engine core's loop (verify,
 waiting for drafts on misses; overhead = everything else on the critical path) and the
 speculation-cache hit rate.
+
+``--shipped``: the two shipped shapes as they are, the engine sections of
+``cluster/serve/demo.yaml`` (draft on an actor of its own, overlap) and
+``demo-colocated.yaml`` (one process, sequential), both up at once and served prompt by
+prompt in turns (the first of each pair rotating) at batch 1, on prompts the recipe never
+saw (:mod:`bench.heldout`). Per shape: tokens/s (total tokens over total time), tokens a
+round, the per-round split, the hit rate and the acceptance; and actor / colocated. It
+says where the actor shape's rounds go, which ``bench.peers`` (over HTTP) does not.
 
 The compiled-graph engine is started only for its own runs: its channels poll while idle
 and would slow the other engines' runs on a small machine.
@@ -21,15 +30,19 @@ import time
 from pathlib import Path
 
 import ray
+import yaml
 from transformers import AutoTokenizer
 
 from bench.common import write_result
+from bench.heldout import mixed
 from deployments.config import EngineConfig
 from deployments.frontend.engine_client import EngineClient
 from specdec.demo.corpus import read_jsonl
 from specdec.sampling import SamplingParams
 
-MODELS = Path(__file__).resolve().parents[1] / "models"
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+SHIPPED = {"actor": "demo.yaml", "colocated": "demo-colocated.yaml"}
 MODES = ["target_only", "sequential", "overlap", "overlap_compiled_graph"]
 SHORT = {"sequential": "seq", "overlap": "ovl", "overlap_compiled_graph": "cg"}
 
@@ -50,9 +63,16 @@ def engine_config(mode: str, k: int, max_num_seqs: int, transport: str = "actor"
 
 
 async def run_load(
-    engine: EngineClient, prompts, concurrency: int, requests: int, params, speculation: bool
+    engine: EngineClient,
+    prompts,
+    concurrency: int,
+    requests: int,
+    params,
+    speculation: bool,
+    reset: bool = True,
 ):
-    await engine.round_timings(reset=True)
+    if reset:
+        await engine.round_timings(reset=True)
     queue = list(range(requests))
     tokens = drafted = accepted = rounds = hits = 0
 
@@ -91,6 +111,14 @@ async def run_load(
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "cache_hit_rate": round(hits / rounds, 4) if rounds else None,
         "draft_timeouts": t["draft_timeouts"],
+        "raw": {
+            "tokens": tokens,
+            "wall_s": wall,
+            "rounds": rounds,
+            "hits": hits,
+            "drafted": drafted,
+            "accepted": accepted,
+        },
     }
 
 
@@ -161,6 +189,65 @@ async def bench(args) -> dict:
     return results
 
 
+def shipped_config(name: str) -> EngineConfig:
+    """The engine section of ``cluster/serve/<name>`` as shipped (model paths made absolute)."""
+    app = yaml.safe_load((ROOT / "cluster" / "serve" / name).read_text())["applications"][0]
+    engine = app["args"]["engine"]
+    for role in ("target", "draft"):
+        engine[role]["model"] = str(ROOT / engine[role]["model"])
+    return EngineConfig.model_validate(engine)
+
+
+async def bench_shipped(args) -> dict:
+    """Both shipped shapes at batch 1, prompt by prompt in turns; see the module docstring."""
+    tok = AutoTokenizer.from_pretrained(MODELS / "demo-target")
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in mixed(args.prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engines = {shape: EngineClient(shipped_config(name)) for shape, name in SHIPPED.items()}
+    for engine in engines.values():
+        await engine.start()
+    totals = {
+        shape: dict.fromkeys(("tokens", "wall_s", "rounds", "hits", "drafted", "accepted"), 0)
+        for shape in engines
+    }
+    try:
+        for engine in engines.values():  # warm-up: the first rounds of the width policy
+            await run_load(engine, prompts[-2:], 1, 2, params, True)
+            await engine.round_timings(reset=True)
+        for i, prompt in enumerate(prompts):
+            order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+            for shape in order:
+                r = await run_load(engines[shape], [prompt], 1, 1, params, True, reset=False)
+                for key in totals[shape]:
+                    totals[shape][key] += r["raw"][key]
+        timings = {shape: await engine.round_timings() for shape, engine in engines.items()}
+    finally:
+        for engine in engines.values():
+            await engine.shutdown()
+    results = {shape: _shape_result(totals[shape], timings[shape]) for shape in engines}
+    results["actor_vs_colocated"] = round(
+        results["actor"]["tokens_per_s"] / results["colocated"]["tokens_per_s"], 3
+    )
+    return results
+
+
+def _shape_result(total: dict, t: dict) -> dict:
+    n = max(1, t["rounds"])
+    return {
+        "tokens_per_s": round(total["tokens"] / total["wall_s"], 2),
+        "tokens_per_round": round(total["tokens"] / max(1, total["rounds"]), 3),
+        "per_round_ms": {
+            key.replace("_s", "_ms"): round(t[key] / n * 1e3, 3)
+            for key in ("total_s", "draft_wait_s", "verify_s", "overhead_s")
+        },
+        "cache_hit_rate": round(total["hits"] / max(1, total["rounds"]), 4),
+        "acceptance_rate": round(total["accepted"] / max(1, total["drafted"]), 4),
+        "draft_timeouts": t["draft_timeouts"],
+        **{key: total[key] for key in ("tokens", "rounds")},
+        "wall_s": round(total["wall_s"], 2),
+    }
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -214,7 +301,15 @@ def main() -> None:
         action="store_false",
         help="skip overlap mode over a Ray Compiled Graph",
     )
+    parser.add_argument("--shipped", action="store_true", help="the shipped shapes at batch 1")
+    parser.add_argument("--prompts", type=int, default=16, help="--shipped: held-out prompts")
     args = parser.parse_args()
+    if args.shipped:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        results = asyncio.run(bench_shipped(args))
+        settings = vars(args) | {"configs": SHIPPED, "batch": 1, "greedy": True}
+        print(write_result("pipeline_shipped", settings, results).read_text())
+        return
     # Logical CPUs: three engines of two workers each (the CPU cores are shared).
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
     results = asyncio.run(bench(args))
