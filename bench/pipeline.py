@@ -189,12 +189,16 @@ async def bench(args) -> dict:
     return results
 
 
-def shipped_config(name: str) -> EngineConfig:
-    """The engine section of ``cluster/serve/<name>`` as shipped (model paths made absolute)."""
+def shipped_config(name: str, fixed_width: bool = False) -> EngineConfig:
+    """The engine section of ``cluster/serve/<name>`` as shipped (model paths made
+    absolute); ``fixed_width``: speculation during verification always on, at the config's
+    width (what its branches do, whether or not the width policy would keep them)."""
     app = yaml.safe_load((ROOT / "cluster" / "serve" / name).read_text())["applications"][0]
     engine = app["args"]["engine"]
     for role in ("target", "draft"):
         engine[role]["model"] = str(ROOT / engine[role]["model"])
+    if fixed_width:
+        engine["speculation"]["adaptive_overlap"] = False
     return EngineConfig.model_validate(engine)
 
 
@@ -203,7 +207,10 @@ async def bench_shipped(args) -> dict:
     tok = AutoTokenizer.from_pretrained(MODELS / "demo-target")
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in mixed(args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    engines = {shape: EngineClient(shipped_config(name)) for shape, name in SHIPPED.items()}
+    engines = {
+        shape: EngineClient(shipped_config(name, args.fixed_width))
+        for shape, name in SHIPPED.items()
+    }
     for engine in engines.values():
         await engine.start()
     totals = {
@@ -238,13 +245,15 @@ def _shape_result(total: dict, t: dict) -> dict:
         "tokens_per_round": round(total["tokens"] / max(1, total["rounds"]), 3),
         "per_round_ms": {
             key.replace("_s", "_ms"): round(t[key] / n * 1e3, 3)
-            for key in ("total_s", "draft_wait_s", "verify_s", "overhead_s")
+            for key in ("wall_s", "total_s", "draft_wait_s", "verify_s", "overhead_s")
         },
         "cache_hit_rate": round(total["hits"] / max(1, total["rounds"]), 4),
         "acceptance_rate": round(total["accepted"] / max(1, total["drafted"]), 4),
         "draft_timeouts": t["draft_timeouts"],
         **{key: total[key] for key in ("tokens", "rounds")},
         "wall_s": round(total["wall_s"], 2),
+        "core_rounds": t["rounds"],  # (with the warm-up's last round, if it ran past reset)
+        "core_round_wall_s": round(t["wall_s"], 2),  # idle time excluded
     }
 
 
@@ -303,12 +312,18 @@ def main() -> None:
     )
     parser.add_argument("--shipped", action="store_true", help="the shipped shapes at batch 1")
     parser.add_argument("--prompts", type=int, default=16, help="--shipped: held-out prompts")
+    parser.add_argument(
+        "--fixed-width",
+        action="store_true",
+        help="--shipped: the actor shape speculates at its width every round (no width policy)",
+    )
     args = parser.parse_args()
     if args.shipped:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         results = asyncio.run(bench_shipped(args))
         settings = vars(args) | {"configs": SHIPPED, "batch": 1, "greedy": True}
-        print(write_result("pipeline_shipped", settings, results).read_text())
+        name = "pipeline_shipped_fixed_width" if args.fixed_width else "pipeline_shipped"
+        print(write_result(name, settings, results).read_text())
         return
     # Logical CPUs: three engines of two workers each (the CPU cores are shared).
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)

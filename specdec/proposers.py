@@ -56,6 +56,7 @@ class Proposal:
     # False: ``should_stop`` ended the drafting early (``keep_partial``); each row's drafts
     # are those of the steps run (at most that many).
     complete: bool = True
+    steps: int = 0  # draft steps run: no row has more drafts (fewer: its confidence stop)
 
     def q(self, row: int) -> torch.Tensor | None:
         """Batch row ``row``'s q (``[k, vocab]`` float16 weights), None for a greedy row."""
@@ -268,6 +269,7 @@ class DraftModelProposer(Proposer):
             host_num_draft_tokens=counts,
             host_draft_token_ids=drafts,
             complete=complete,
+            steps=run.steps,
         )
 
     def _plan(self, run: _Drafting) -> list[int | None]:

@@ -52,6 +52,9 @@ class Drafts:
     # False: a branch the real outcome stopped, holding the drafts made by then (a draft
     # worker pushes complete branches ahead, these only when they are hit)
     complete: bool = True
+    # Stopped by the outcome before its own end (neither k drafts nor a confidence stop):
+    # drafting afresh would give more drafts, these first; a hit drafts the rest
+    cut: bool = False
 
     def trimmed(self, k: int) -> Drafts:
         """The first ``k`` drafts (a prefix of drafts is itself a valid draft)."""
@@ -63,6 +66,18 @@ class Drafts:
             probs,
             self.top_ids[:k],
             self.top_probs[:k],
+            self.speculative,
+            self.complete,
+            False,  # (k drafts: all a round asks for)
+        )
+
+    def joined(self, rest: Drafts) -> Drafts:
+        """These drafts followed by ``rest``, drafted from their end (greedy rows: no q)."""
+        return Drafts(
+            self.tokens + rest.tokens,
+            None,
+            torch.cat([self.top_ids, rest.top_ids]),
+            torch.cat([self.top_probs, rest.top_probs]),
             self.speculative,
             self.complete,
         )
@@ -213,28 +228,23 @@ class SpeculativeDrafter:
     def propose(self, seq_ids: Sequence[Hashable], ks: Sequence[int]) -> list[Drafts]:
         """``ks[i]`` drafts continuing each sequence's committed tokens (0: none).
 
-        A branch whose guess equals what the last round committed is served as it is;
-        the other rows are drafted in one batch.
+        A branch whose guess equals what the last round committed is served as it is, or,
+        where the outcome cut it short (:attr:`Drafts.cut`), with the rest of its drafts
+        drafted now from its last: what drafting afresh would give, in fewer steps. The
+        other rows are drafted in the same batch.
         """
         results: list[Drafts | None] = [None] * len(seq_ids)
-        fresh: list[int] = []
+        fresh: list[int] = []  # rows drafted now (afresh, or on from a cut branch)
         for i, sid in enumerate(seq_ids):
             hit = self._take_branch(sid, ks[i])
-            if hit is not None:
-                results[i] = hit
-            elif ks[i] > 0:
+            results[i] = hit
+            if (hit is None and ks[i] > 0) or (hit is not None and hit.cut):
                 fresh.append(i)
-            else:
+            elif hit is None:
                 empty = torch.zeros(0, 0, device=self._device)
                 results[i] = Drafts([], None, empty, empty)
         if fresh:
-            k = max(ks[i] for i in fresh)
-            prop = self.proposer.propose([self.seqs[seq_ids[i]] for i in fresh], k, self.top_m)
-            params = [self.seqs[seq_ids[i]].params for i in fresh]
-            for i, drafts in zip(
-                fresh, _drafts_of(prop, [ks[i] for i in fresh], params), strict=True
-            ):
-                results[i] = drafts
+            self._draft_rows(seq_ids, ks, fresh, results)
         for i, sid in enumerate(seq_ids):
             if ks[i] > 0:
                 self._k[sid] = ks[i]
@@ -242,6 +252,39 @@ class SpeculativeDrafter:
                 self.misses += int(not results[i].speculative)
                 self._last[sid] = results[i]
         return results  # type: ignore[return-value]
+
+    def _draft_rows(
+        self,
+        seq_ids: Sequence[Hashable],
+        ks: Sequence[int],
+        rows: list[int],
+        results: list[Drafts | None],
+    ) -> None:
+        """Draft ``rows`` in one batch: afresh, or from a cut branch's last draft (its
+        drafts read as the sequence's, so the draft's cache, which holds them, is kept)."""
+        heads = [results[i] for i in rows]
+        states = [
+            self.seqs[seq_ids[i]]
+            if head is None
+            else self._continued(self.seqs[seq_ids[i]], head.tokens)
+            for i, head in zip(rows, heads, strict=True)
+        ]
+        made = [0 if head is None else len(head.tokens) for head in heads]
+        want = [ks[i] - n for i, n in zip(rows, made, strict=True)]  # [rows] drafts to make
+        prop = self.proposer.propose(states, max(want), self.top_m)
+        params = [state.params for state in states]
+        for i, head, drafts in zip(rows, heads, _drafts_of(prop, want, params), strict=True):
+            results[i] = drafts if head is None else head.joined(drafts)
+
+    def _continued(self, seq: SequenceState, drafts: list[int]) -> SequenceState:
+        """``seq`` with ``drafts`` appended: what a cut branch drafts on from."""
+        return SequenceState(
+            seq.seq_id,
+            seq.prompt_token_ids,
+            seq.params,
+            output_token_ids=seq.output_token_ids + drafts,
+            device=self._device,
+        )
 
     def _take_branch(self, seq_id: Hashable, k: int) -> Drafts | None:
         branches = self._branches.pop(seq_id, [])
@@ -270,9 +313,12 @@ class SpeculativeDrafter:
 
         Call after :meth:`propose` for the same sequences. ``should_stop`` is checked
         between draft steps: once the real outcome is known, drafting stops. The greedy
-        branches keep the drafts made by then (``Drafts.complete`` False): the one that guessed
-        the outcome serves them at once, fewer drafts but no wait, and they are the ones
-        drafting afresh would give (argmax of the same prefix). A sampled branch is not
+        branches keep the drafts made by then (``Drafts.complete`` False; ``cut`` where a row
+        had not reached its own end): the one that guessed the outcome serves them with the
+        rest drafted on from its last (:meth:`propose`), the drafts drafting afresh would
+        give (argmax of the same prefix) for the missing steps only. Why not serve them as
+        they are: a verification costs the same with fewer drafts, and commits fewer
+        tokens. A sampled branch is not
         kept: serving fewer drafts than its request's k would move its later rounds'
         boundaries, and with them the random numbers a seeded request's rounds draw.
         None: stopped with nothing kept.
@@ -301,11 +347,14 @@ class SpeculativeDrafter:
             return None
         branches = []
         every = _drafts_of(prop, ks, [state.params for state in states])
-        for state, sid, guess, drafts in zip(states, parents, guesses, every, strict=True):
+        rows = zip(states, parents, guesses, ks, every, strict=True)
+        for state, sid, guess, k, drafts in rows:
             if not prop.complete and not (state.params.is_greedy and drafts.tokens):
                 self.proposer.free(state.seq_id)
                 continue
             drafts.speculative, drafts.complete = True, prop.complete
+            # (a row with fewer drafts than steps run ended at its own confidence stop)
+            drafts.cut = not prop.complete and prop.steps <= len(drafts.tokens) < k
             br = Branch(sid, guess, state, drafts)
             self._branches.setdefault(sid, []).append(br)
             branches.append(br)

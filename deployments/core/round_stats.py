@@ -18,6 +18,9 @@ class RoundTimings:
     outcomes are published; ``draft_wait_s`` is the part spent waiting for drafts (misses);
     ``verify_s`` the target's forward pass plus verification. Overhead is the rest: every
     bit of the critical path that is neither model work nor waiting for the draft.
+    ``wall_s`` runs from one round's end to the next's (idle time excluded): what a round
+    costs the loop, the time between rounds (admissions, the loop thread's wait for the
+    interpreter) included.
     """
 
     rounds: int = 0
@@ -25,6 +28,7 @@ class RoundTimings:
     draft_wait_s: float = 0.0
     verify_s: float = 0.0
     overhead_s: float = 0.0  # the sum of each round's RoundStats.overhead_s
+    wall_s: float = 0.0  # the sum of each round's RoundStats.wall_s
     rows: int = 0  # sequence-rounds
     drafted_rows: int = 0  # sequence-rounds that carried drafts
     hits: int = 0  # ... whose drafts were prepared ahead (speculation-cache hits)
@@ -42,6 +46,7 @@ class RoundTimings:
         self.verify_s += stats.verify_s
         self.total_s += stats.total_s
         self.overhead_s += stats.overhead_s
+        self.wall_s += stats.wall_s
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

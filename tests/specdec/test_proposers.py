@@ -85,9 +85,10 @@ def test_speculation_never_forks_past_the_draft_runner(tiny_draft):
 def test_a_stopped_speculation_keeps_its_greedy_branches_drafts_so_far(tiny_draft):
     """The real outcome arriving while branches are drafted stops them before the next
     step: each greedy branch keeps the drafts made by then (not complete: a draft worker
-    sends them only when hit), a sampled one is freed (fewer drafts would move a seeded
-    request's round boundaries), and the branch that guessed the outcome serves its drafts
-    at once: the first drafts that drafting afresh from the same tokens gives."""
+    sends them only when hit; cut: more would follow), a sampled one is freed (fewer
+    drafts would move a seeded request's round boundaries), and the branch that guessed
+    the outcome serves its drafts with the rest drafted on from its last: the drafts that
+    drafting afresh from the same tokens gives, all k of them."""
     runner = ModelRunner(tiny_draft, max_num_seqs=40)
     drafter = SpeculativeDrafter(DraftModelProposer(runner))
     greedy = SamplingParams(temperature=0.0, max_tokens=50)
@@ -104,19 +105,78 @@ def test_a_stopped_speculation_keeps_its_greedy_branches_drafts_so_far(tiny_draf
     assert len(checks) == 3 and branches
     assert {br.seq_id for br in branches} == {"g"}  # the sampled row had branches too: freed
     assert all(not br.drafts.complete and len(br.drafts.tokens) == 2 for br in branches)
+    assert all(br.drafts.cut for br in branches)
     assert runner.num_seqs == 2 + len(branches)
     hit = branches[-1]
     drafter.commit("g", list(hit.guess))
+    passes = _count_passes(runner)
     got = drafter.propose(["g"], [4])[0]
-    assert got.speculative and not got.complete and got.tokens == hit.drafts.tokens
+    assert got.speculative and not got.complete and not got.cut
+    assert got.tokens[:2] == hit.drafts.tokens and len(got.tokens) == 4
+    assert len(passes) == 2  # the two drafts still to make, from the branch's last
+    assert got.top_ids.shape[0] == got.top_probs.shape[0] == 4
     assert runner.num_seqs == 2  # the other branches of g are gone
     fresh = SpeculativeDrafter(DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=1)))
     fresh.add("g", drafter.seqs["g"].token_ids, greedy)
-    assert fresh.propose(["g"], [4])[0].tokens[:2] == got.tokens
-    # not stopped: complete, as ever
+    again = fresh.propose(["g"], [4])[0]
+    assert again.tokens == got.tokens
+    torch.testing.assert_close(again.top_probs, got.top_probs)
+    # served with fewer drafts than it holds: a prefix, nothing more to draft
     drafter.commit("g", [got.tokens[0], 7])
     drafter.propose(["g"], [3])
     assert all(br.drafts.complete for br in drafter.speculate(["g"], budget=4))
+
+
+def _count_passes(runner: ModelRunner) -> list:
+    """A list that grows by one at each forward pass ``runner`` runs from now on."""
+    passes: list = []
+    forward = runner.forward_padded
+
+    def counted(*args, **kwargs):
+        passes.append(None)
+        return forward(*args, **kwargs)
+
+    runner.forward_padded = counted
+    return passes
+
+
+def _speculation_cut_at_step_three(tiny_draft, min_confidence: float):
+    """A greedy sequence's branches for k = 6, stopped by the outcome before step 4."""
+    runner = ModelRunner(tiny_draft, max_num_seqs=40)
+    drafter = SpeculativeDrafter(DraftModelProposer(runner, min_confidence=min_confidence))
+    drafter.add("g", [5, 9, 14], SamplingParams(temperature=0.0, max_tokens=50))
+    drafter.propose(["g"], [6])
+    checks = []
+
+    def stop_after_three_steps() -> bool:
+        checks.append(None)
+        return len(checks) > 3
+
+    branches = drafter.speculate(["g"], budget=32, should_stop=stop_after_three_steps)
+    return runner, drafter, branches
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_only_a_branch_the_outcome_stopped_is_drafted_on(tiny_draft, cut):
+    """Branches stopped by the outcome after three steps, with a confidence stop that ends
+    some before: those with three drafts are cut (drafted on when hit), those with fewer
+    ended at their own stop and hold every draft drafting afresh gives (served as they
+    are, no pass). Either way the hit serves what drafting afresh gives."""
+    confidence = 0.1  # (the tiny draft's: some branches stop at 1 or 2 drafts, some not)
+    runner, drafter, branches = _speculation_cut_at_step_three(tiny_draft, confidence)
+    assert {br.drafts.cut for br in branches} == {True, False}
+    assert all(br.drafts.cut == (len(br.drafts.tokens) == 3) for br in branches)
+    hit = next(br for br in branches if br.drafts.cut == cut)
+    drafter.commit("g", list(hit.guess))
+    passes = _count_passes(runner)
+    got = drafter.propose(["g"], [6])[0]
+    assert got.speculative and got.tokens[: len(hit.drafts.tokens)] == hit.drafts.tokens
+    assert bool(passes) == cut and (len(got.tokens) > 3) == cut
+    fresh = SpeculativeDrafter(
+        DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=1), min_confidence=confidence)
+    )
+    fresh.add("g", drafter.seqs["g"].token_ids, SamplingParams(temperature=0.0, max_tokens=50))
+    assert fresh.propose(["g"], [6])[0].tokens == got.tokens
 
 
 def test_new_weights_drop_the_branches_drafted_by_the_old(tiny_draft):
