@@ -56,7 +56,9 @@ class Proposal:
     # False: ``should_stop`` ended the drafting early (``keep_partial``); each row's drafts
     # are those of the steps run (at most that many).
     complete: bool = True
-    steps: int = 0  # draft steps run: no row has more drafts (fewer: its confidence stop)
+    # With complete False: per row, whether it was stopped before its own end (its k or its
+    # confidence stop), so that drafting on would give more drafts
+    cut: tuple[bool, ...] = ()
 
     def q(self, row: int) -> torch.Tensor | None:
         """Batch row ``row``'s q (``[k, vocab]`` float16 weights), None for a greedy row."""
@@ -244,7 +246,6 @@ class DraftModelProposer(Proposer):
         for size in self._plan(run):
             if should_stop is not None and should_stop():
                 if run.steps and keep_partial:
-                    run.counts.clamp_(max=run.steps)  # [batch] the drafts made so far
                     complete = False
                     break
                 if run.steps:
@@ -258,6 +259,11 @@ class DraftModelProposer(Proposer):
             if self._all_stopped(run, i - 1):
                 break
         counts, drafts = self._read_drafts(run)
+        cut = ()
+        if not complete:  # a row whose count is past the steps run had not reached its end
+            cut = tuple(c > run.steps for c in counts)
+            counts = [min(c, run.steps) for c in counts]
+            run.counts.clamp_(max=run.steps)  # [batch] the drafts made so far
         return Proposal(
             run.draft,
             run.counts,
@@ -269,7 +275,7 @@ class DraftModelProposer(Proposer):
             host_num_draft_tokens=counts,
             host_draft_token_ids=drafts,
             complete=complete,
-            steps=run.steps,
+            cut=cut,
         )
 
     def _plan(self, run: _Drafting) -> list[int | None]:

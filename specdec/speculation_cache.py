@@ -73,6 +73,8 @@ class Drafts:
 
     def joined(self, rest: Drafts) -> Drafts:
         """These drafts followed by ``rest``, drafted from their end (greedy rows: no q)."""
+        if self.probs is not None or rest.probs is not None:
+            raise ValueError("only a greedy row's drafts (no q) are joined")
         return Drafts(
             self.tokens + rest.tokens,
             None,
@@ -238,7 +240,9 @@ class SpeculativeDrafter:
         for i, sid in enumerate(seq_ids):
             hit = self._take_branch(sid, ks[i])
             results[i] = hit
-            if (hit is None and ks[i] > 0) or (hit is not None and hit.cut):
+            # (a cut branch asked for no more drafts than it holds is served as it is)
+            more = hit is not None and hit.cut and ks[i] > len(hit.tokens)
+            if (hit is None and ks[i] > 0) or more:
                 fresh.append(i)
             elif hit is None:
                 empty = torch.zeros(0, 0, device=self._device)
@@ -348,13 +352,12 @@ class SpeculativeDrafter:
         branches = []
         every = _drafts_of(prop, ks, [state.params for state in states])
         rows = zip(states, parents, guesses, ks, every, strict=True)
-        for state, sid, guess, k, drafts in rows:
+        for row, (state, sid, guess, k, drafts) in enumerate(rows):
             if not prop.complete and not (state.params.is_greedy and drafts.tokens):
                 self.proposer.free(state.seq_id)
                 continue
             drafts.speculative, drafts.complete = True, prop.complete
-            # (a row with fewer drafts than steps run ended at its own confidence stop)
-            drafts.cut = not prop.complete and prop.steps <= len(drafts.tokens) < k
+            drafts.cut = not prop.complete and prop.cut[row] and len(drafts.tokens) < k
             br = Branch(sid, guess, state, drafts)
             self._branches.setdefault(sid, []).append(br)
             branches.append(br)

@@ -51,8 +51,8 @@ class DraftWorker:
     being verified are drafted and pushed. A newer message stops that speculation at the
     next draft step (or graph of up to 4 fused steps): once the outcome is known, only
     the branch that guessed it is worth anything. Greedy branches keep the drafts made
-    by then, and the one hit is pushed with the message's reply (fewer drafts, no
-    drafting on the critical path).
+    by then; the one hit is drafted on from its last draft to what drafting afresh gives
+    (only the missing steps on the critical path) and pushed with the message's reply.
     """
 
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1}

@@ -156,27 +156,54 @@ def _speculation_cut_at_step_three(tiny_draft, min_confidence: float):
     return runner, drafter, branches
 
 
+def _fresh_drafts(tiny_draft, token_ids: list[int], k: int, min_confidence: float) -> list:
+    """What drafting afresh from ``token_ids`` proposes: the reference for branches."""
+    runner = ModelRunner(tiny_draft, max_num_seqs=1)
+    drafter = SpeculativeDrafter(DraftModelProposer(runner, min_confidence=min_confidence))
+    drafter.add("g", token_ids, SamplingParams(temperature=0.0, max_tokens=50))
+    return drafter.propose(["g"], [k])[0].tokens
+
+
 @pytest.mark.parametrize("cut", [True, False])
 def test_only_a_branch_the_outcome_stopped_is_drafted_on(tiny_draft, cut):
     """Branches stopped by the outcome after three steps, with a confidence stop that ends
-    some before: those with three drafts are cut (drafted on when hit), those with fewer
-    ended at their own stop and hold every draft drafting afresh gives (served as they
-    are, no pass). Either way the hit serves what drafting afresh gives."""
-    confidence = 0.1  # (the tiny draft's: some branches stop at 1 or 2 drafts, some not)
+    some before or at the third: a branch is cut exactly where drafting afresh from its
+    tokens gives more drafts than it holds (one that stopped at its own confidence stop
+    on the third step is not); a hit on a cut one is drafted on, a hit on another is
+    served as it is (no pass). Either way the hit serves what drafting afresh gives."""
+    confidence = 0.1  # (the tiny draft's: some branches stop at 1, 2 or 3 drafts, some not)
     runner, drafter, branches = _speculation_cut_at_step_three(tiny_draft, confidence)
+    fresh = {
+        br.guess: _fresh_drafts(tiny_draft, br.state.token_ids, 6, confidence) for br in branches
+    }
+    for br in branches:
+        assert br.drafts.tokens == fresh[br.guess][: len(br.drafts.tokens)]
+        assert br.drafts.cut == (len(fresh[br.guess]) > len(br.drafts.tokens))
     assert {br.drafts.cut for br in branches} == {True, False}
-    assert all(br.drafts.cut == (len(br.drafts.tokens) == 3) for br in branches)
+    # a branch that ended at its own stop on the step the outcome stopped the others at
+    assert any(len(br.drafts.tokens) == 3 and not br.drafts.cut for br in branches)
     hit = next(br for br in branches if br.drafts.cut == cut)
     drafter.commit("g", list(hit.guess))
     passes = _count_passes(runner)
     got = drafter.propose(["g"], [6])[0]
-    assert got.speculative and got.tokens[: len(hit.drafts.tokens)] == hit.drafts.tokens
-    assert bool(passes) == cut and (len(got.tokens) > 3) == cut
-    fresh = SpeculativeDrafter(
-        DraftModelProposer(ModelRunner(tiny_draft, max_num_seqs=1), min_confidence=confidence)
-    )
-    fresh.add("g", drafter.seqs["g"].token_ids, SamplingParams(temperature=0.0, max_tokens=50))
-    assert fresh.propose(["g"], [6])[0].tokens == got.tokens
+    assert got.speculative and got.tokens == fresh[hit.guess]
+    assert bool(passes) == cut
+
+
+def test_a_cut_branch_asked_for_no_more_drafts_than_it_holds_is_served_without_a_pass(
+    tiny_draft,
+):
+    """The core may ask for fewer drafts than a branch was prepared with (max_tokens, the
+    length policy): a cut branch holding as many as asked is served as it is."""
+    _runner, drafter, branches = _speculation_cut_at_step_three(tiny_draft, 0.0)
+    assert all(br.drafts.cut and len(br.drafts.tokens) == 3 for br in branches)
+    hit = branches[0]
+    drafter.commit("g", list(hit.guess))
+    calls = []
+    propose = drafter.proposer.propose
+    drafter.proposer.propose = lambda *a, **kw: calls.append(None) or propose(*a, **kw)
+    got = drafter.propose(["g"], [3])[0]
+    assert got.tokens == hit.drafts.tokens and not calls  # (no proposal, no read)
 
 
 def test_new_weights_drop_the_branches_drafted_by_the_old(tiny_draft):
