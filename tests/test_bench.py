@@ -160,6 +160,10 @@ def test_config_builders_validate():
     for mode, transport in (("sequential", "actor"), ("overlap", "compiled_graph")):
         cfg = pipeline.engine_config(mode, 4, 4, transport)
         assert cfg.transport == transport and cfg.speculation.num_speculative_tokens == 4
+    for shape, name in pipeline.SHIPPED.items():  # --shipped: the configs as they ship
+        cfg = pipeline.shipped_config(name, fixed_width=True)
+        assert (cfg.draft_placement == "colocated") == (shape == "colocated")
+        assert not cfg.speculation.adaptive_overlap and Path(cfg.target.model).is_dir()
     assert AppConfig.model_validate(policy.app_config("demo-draft", 4, 9464)).engine.draft
     for draft in (True, False):
         cfg = AppConfig.model_validate(serving.app_args(draft, 9464))
