@@ -62,22 +62,18 @@ def engine_config(mode: str, k: int, max_num_seqs: int, transport: str = "actor"
     )
 
 
-async def run_load(
-    engine: EngineClient,
-    prompts,
-    concurrency: int,
-    requests: int,
-    params,
-    speculation: bool,
-    reset: bool = True,
-):
-    if reset:
-        await engine.round_timings(reset=True)
+PHASES = ("wall_s", "total_s", "draft_wait_s", "verify_s", "overhead_s")  # RoundTimings' fields, s
+
+
+async def drive(
+    engine: EngineClient, prompts, concurrency: int, requests: int, params, speculation: bool
+) -> dict:
+    """Serve ``requests`` prompts, ``concurrency`` at a time; the requests' own totals
+    (tokens, drafted, accepted, rounds, hits) and the wall time ``wall_s``."""
     queue = list(range(requests))
-    tokens = drafted = accepted = rounds = hits = 0
+    total = dict.fromkeys(("tokens", "drafted", "accepted", "rounds", "hits"), 0)
 
     async def worker():
-        nonlocal tokens, drafted, accepted, rounds, hits
         while queue:
             i = queue.pop()
             last = None
@@ -85,40 +81,42 @@ async def run_load(
                 prompts[i % len(prompts)], params, speculation=speculation
             ):
                 last = out
-            tokens += last.num_output_tokens
-            drafted += last.stats.drafted
-            accepted += last.stats.accepted
-            rounds += last.stats.rounds
-            hits += last.stats.cache_hits
+            total["tokens"] += last.num_output_tokens
+            total["drafted"] += last.stats.drafted
+            total["accepted"] += last.stats.accepted
+            total["rounds"] += last.stats.rounds
+            total["hits"] += last.stats.cache_hits
 
     t0 = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
-    wall = time.perf_counter() - t0
-    t = await engine.round_timings()
+    total["wall_s"] = time.perf_counter() - t0
+    return total
+
+
+def per_round_ms(t: dict) -> dict[str, float]:
+    """The core's phase times (``RoundTimings``) as ms per round."""
     n = max(1, t["rounds"])
-    per_round = {
-        key.replace("_s", "_ms"): round(t[key] / n * 1e3, 3)
-        for key in ("total_s", "draft_wait_s", "verify_s", "overhead_s")
-    }
+    return {key.replace("_s", "_ms"): round(t[key] / n * 1e3, 3) for key in PHASES}
+
+
+async def run_load(
+    engine: EngineClient, prompts, concurrency: int, requests: int, params, speculation: bool
+):
+    await engine.round_timings(reset=True)
+    total = await drive(engine, prompts, concurrency, requests, params, speculation)
+    t = await engine.round_timings()
+    rounds, drafted = total["rounds"], total["drafted"]
     return {
-        "tokens_per_s": round(tokens / wall, 2),
+        "tokens_per_s": round(total["tokens"] / total["wall_s"], 2),
         "requests": requests,
-        "tokens": tokens,
-        "wall_s": round(wall, 3),
+        "tokens": total["tokens"],
+        "wall_s": round(total["wall_s"], 3),
         "rounds": t["rounds"],
-        "per_round_ms": per_round,
+        "per_round_ms": per_round_ms(t),
         "overhead_fraction": round(t["overhead_s"] / t["total_s"], 4) if t["total_s"] else None,
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-        "cache_hit_rate": round(hits / rounds, 4) if rounds else None,
+        "acceptance_rate": round(total["accepted"] / drafted, 4) if drafted else None,
+        "cache_hit_rate": round(total["hits"] / rounds, 4) if rounds else None,
         "draft_timeouts": t["draft_timeouts"],
-        "raw": {
-            "tokens": tokens,
-            "wall_s": wall,
-            "rounds": rounds,
-            "hits": hits,
-            "drafted": drafted,
-            "accepted": accepted,
-        },
     }
 
 
@@ -224,9 +222,9 @@ async def bench_shipped(args) -> dict:
         for i, prompt in enumerate(prompts):
             order = list(engines) if i % 2 == 0 else list(engines)[::-1]
             for shape in order:
-                r = await run_load(engines[shape], [prompt], 1, 1, params, True, reset=False)
+                r = await drive(engines[shape], [prompt], 1, 1, params, True)
                 for key in totals[shape]:
-                    totals[shape][key] += r["raw"][key]
+                    totals[shape][key] += r[key]
         timings = {shape: await engine.round_timings() for shape, engine in engines.items()}
     finally:
         for engine in engines.values():
@@ -239,14 +237,10 @@ async def bench_shipped(args) -> dict:
 
 
 def _shape_result(total: dict, t: dict) -> dict:
-    n = max(1, t["rounds"])
     return {
         "tokens_per_s": round(total["tokens"] / total["wall_s"], 2),
         "tokens_per_round": round(total["tokens"] / max(1, total["rounds"]), 3),
-        "per_round_ms": {
-            key.replace("_s", "_ms"): round(t[key] / n * 1e3, 3)
-            for key in ("wall_s", "total_s", "draft_wait_s", "verify_s", "overhead_s")
-        },
+        "per_round_ms": per_round_ms(t),
         "cache_hit_rate": round(total["hits"] / max(1, total["rounds"]), 4),
         "acceptance_rate": round(total["accepted"] / max(1, total["drafted"]), 4),
         "draft_timeouts": t["draft_timeouts"],
