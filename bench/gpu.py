@@ -547,6 +547,9 @@ def record_graphs(target: ModelRunner, draft: ModelRunner, args, length: int, fu
         out["draft_rounds"] = {
             "graphs": len(seconds),
             "total_s": round(time.perf_counter() - t0, 2),
+            # the draft's graphs with its rounds recorded into their pool, against the reserve
+            "memory_gb": round(draft.graph_memory_bytes / 1e9, 4),
+            "reserve_gb": round(draft.graph_reserve_bytes / 1e9, 4),
         }
     return out
 

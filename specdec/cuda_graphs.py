@@ -109,9 +109,23 @@ class GraphRecorder:
     device into Python. Its outputs are returned as fresh tensors (the graph's own are
     overwritten by the next replay), each cut to its first ``rows`` rows. With ``share``,
     a single-tensor output is copied into one buffer per share key (graphs of one size
-    and several key counts then hold one output between them)."""
+    and several key counts then hold one output between them).
 
-    def __init__(self, run: Callable, *, device: torch.device, name: str, max_graphs: int):
+    ``share_pool_with``: another recorder of the same device whose memory pool and
+    recording stream these graphs use too, so that their transients reuse what its
+    largest pass left in the pool rather than a pool of their own that no budget counts.
+    The two recorders' graphs must then never replay at once (one thread runs both: a
+    runner's passes and its draft rounds)."""
+
+    def __init__(
+        self,
+        run: Callable,
+        *,
+        device: torch.device,
+        name: str,
+        max_graphs: int,
+        share_pool_with: GraphRecorder | None = None,
+    ):
         self.name = name
         self._run = run
         self.device = device
@@ -128,11 +142,18 @@ class GraphRecorder:
         # reads the device, DeepSeek-V3's experts in float32: each try costs two passes).
         self.max_failures = MAX_FAILURES
         self.disabled = False
-        self._pool = torch.cuda.graph_pool_handle() if self.record else None
         # One recording stream for every capture: the allocator reuses a freed block only
         # on the stream it was allocated on, so a new stream per capture would leave every
         # earlier graph's transients unusable and grow the pool by a pass's peak per graph.
-        self._stream = torch.cuda.Stream(self.device) if self.record else None
+        if share_pool_with is not None:
+            if share_pool_with.device != device:
+                raise ValueError(f"{name}: a pool is shared on one device only")
+            self._pool, self._stream = share_pool_with._pool, share_pool_with._stream
+        elif self.record:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        else:
+            self._pool = self._stream = None
 
     def memory_bytes(self) -> int:
         """What the recorded graphs hold now [bytes]: their pool's segments and the shared

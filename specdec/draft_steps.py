@@ -387,8 +387,9 @@ class GraphedDraftSteps(FusedDraftSteps):
     as one recorded graph of up to 8 steps, replayed with one launch (the model, the
     argmax or top-m, the draft's probabilities and the confidence stop on the device). Rows
     are padded up to a power-of-two bucket and keys up to a 256-token block, as the
-    runner's own graphs (:mod:`specdec.cuda_graphs`); off CUDA the same padded steps run
-    eagerly. A graph that cannot be recorded runs its steps eagerly (logged)."""
+    runner's own graphs (:mod:`specdec.cuda_graphs`), and recorded into the runner's
+    memory pool (what the KV budget reserves for its graphs); off CUDA the same padded
+    steps run eagerly. A graph that cannot be recorded runs its steps eagerly (logged)."""
 
     def __init__(self, runner: ModelRunner, name: str, sizes: tuple[int, ...] = GRAPH_STEP_SIZES):
         super().__init__(runner, name, sizes, max_rows_steps=max(sizes))
@@ -397,6 +398,9 @@ class GraphedDraftSteps(FusedDraftSteps):
             device=runner.device,
             name=f"{name} draft steps",
             max_graphs=MAX_GRAPHS,
+            # The runner's pool: a round's steps need less than the largest pass, whose
+            # transients the KV budget already reserves (ModelRunner.graph_reserve_bytes).
+            share_pool_with=runner.pass_graphs,
         )
 
     @property

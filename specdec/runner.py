@@ -778,6 +778,12 @@ class ModelRunner:
             )
         return self._graphed
 
+    @property
+    def pass_graphs(self) -> GraphedForward:
+        """This runner's pass graphs (made at first use); other graphs of this runner
+        (a draft's rounds, :class:`specdec.draft_steps.GraphedDraftSteps`) share their pool."""
+        return self._graphs()
+
     def _graphed_pass(
         self, plan: _RowPlan, token_ids: Sequence[Sequence[int]] | torch.Tensor
     ) -> torch.Tensor | None:
@@ -868,8 +874,9 @@ class ModelRunner:
 
     @property
     def graph_memory_bytes(self) -> int:
-        """What this runner's recorded pass graphs hold now [bytes] (their pool and output
-        buffers; :attr:`graph_reserve_bytes` is what the KV budget left them)."""
+        """What this runner's recorded graphs hold now [bytes]: their pool (which a draft's
+        recorded rounds share) and the passes' output buffers; :attr:`graph_reserve_bytes`
+        is what the KV budget left them."""
         return 0 if self._graphed is None else self._graphed.memory_bytes()
 
     # ----- one-token passes inside a fused graph (specdec.draft_steps) -------------------

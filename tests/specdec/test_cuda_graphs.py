@@ -17,10 +17,14 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from specdec.cuda_graphs import MAX_GRAPH_QUERY_LEN, GraphShape, batch_buckets
 from specdec.host_syncs import HostSyncCounter
+from specdec.proposers import DraftModelProposer
 from specdec.row_attention import grouped_masked_attention
 from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.sequence import SequenceState
 from tests.specdec.test_families import assert_greedy_speculation_is_generate
 
+GREEDY = SamplingParams(temperature=0.0)
 KV_BLOCK = 16  # small, so that the passes here cross several key blocks
 
 
@@ -223,3 +227,35 @@ def test_recorded_graphs_hold_no_more_than_the_kv_budget_leaves_them(tiny_target
     assert len(recorded) == len(batch_buckets(4)) * len(queries) * 2  # (the first among them)
     assert 0 < graphs.pool_bytes() <= largest + (8 << 20), (graphs.pool_bytes(), largest)
     assert 0 < runner.graph_memory_bytes <= reserve
+
+
+def test_draft_rounds_record_into_the_reserved_pool(tiny_draft, device):
+    """A graphed draft's rounds (GraphedDraftSteps) record into its runner's pool, after
+    the largest pass: rounds of 1 to 8 steps at 1 to 4 rows, 300-odd keys, add no more than
+    the allocator's rounding to it, so the KV budget's reserve still holds every graph."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("the memory of recorded CUDA graphs: run with --device cuda")
+    runner = ModelRunner(
+        tiny_draft,
+        max_num_seqs=4,
+        max_model_len=512,
+        execution_mode="cuda_graph",
+        kv_cache_memory_fraction=0.5,
+        reserve_activations=True,
+        device=device,
+    )
+    runner.record_graphs([4], [MAX_GRAPH_QUERY_LEN], [512])
+    graphs = runner.pass_graphs
+    largest = graphs.pool_bytes()
+    proposer = DraftModelProposer(runner)
+    rounds = proposer.fused.recorder
+    assert rounds._pool == graphs._pool and rounds._stream is graphs._stream
+    proposer.warm_up(top_m=4)
+    seqs = [SequenceState(f"row-{i}", list(range(3, 300 + 7 * i)), GREEDY) for i in range(4)]
+    for batch in (1, 2, 3, 4):
+        for k in range(1, 9):
+            proposal = proposer.propose(seqs[:batch], k, top_m=4)
+            assert proposal.host_num_draft_tokens == [k] * batch
+    assert len(rounds.graphs) >= 8 and not rounds.failed
+    assert 0 < graphs.pool_bytes() <= largest + (8 << 20), (graphs.pool_bytes(), largest)
+    assert 0 < runner.graph_memory_bytes <= runner.graph_reserve_bytes

@@ -46,7 +46,8 @@ def _reference(query, key, value, positions, kv_len, scale, window, slots):
 # (rows, heads, kv heads, queries, head dim, value dim, keys, window, splits, dtype):
 # one query of one head; Llama 3's 4:1 groups at ragged ends in several key spans; a
 # window and head sizes off the powers of two; keys and values of other sizes (latent
-# attention); more (group head, query) rows than one program takes; bfloat16.
+# attention); more (group head, query) rows than one program takes; bfloat16; more spans
+# than a merge program reads at once (sa.MERGE_CHUNK), some of them past a row's end.
 CASES = [
     (1, 4, 1, 1, 16, 16, 40, None, 1, torch.float32),
     (3, 8, 2, 5, 16, 16, 100, None, None, torch.float32),
@@ -54,6 +55,7 @@ CASES = [
     (2, 4, 2, 3, 24, 8, 70, None, 2, torch.float32),
     (1, 16, 1, 9, 16, 16, 50, 7, 2, torch.float32),
     (2, 32, 8, 6, 64, 64, 300, None, None, torch.bfloat16),
+    (1, 4, 2, 2, 16, 16, 1000, None, 32, torch.float32),
 ]
 
 
