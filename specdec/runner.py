@@ -122,32 +122,12 @@ class ModelRunner:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
-        if isinstance(model, str):
-            self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-            self.attention = attention_layout(self.config)  # refuses what it cannot mask
-            model_name, model = model, _load_model(model, _DTYPES[dtype], trust_remote_code)
-        else:
-            self.config = model.config
-            self.attention = attention_layout(self.config)
-            model_name = type(model).__name__
-        self.model = model.to(self.device)
-        self.model.eval()
-        # Eager attention adds the mask to its scores; SDPA takes a boolean one.
-        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
-        self._mask_dtype = self.model.dtype if impl == "eager" else None
-        # Attention by row positions (specdec.row_attention) where the model runs SDPA;
-        # the probe below falls back to 4-D masks if the model cannot.
-        self._row_attention, self._slot_kernel = self._attention_choice(
-            attention_backend, impl, execution_mode
-        )
-        self._kv_in_place = True  # (the probe may turn it off: _check_spans)
-        self._last_spans: RowSpans | None = None  # the last pass's (the probe checks it)
+        model_name = self._load(model, dtype, trust_remote_code)
+        self._set_attention(attention_backend, execution_mode)
         self._compiled: CompiledForward | None = None  # set once the probe has run eagerly
         self._graph_mode = False  # likewise (execution_mode="cuda_graph")
         # Passes of more queries (long prefill chunks: compute-bound, few) run eager.
         self.max_compiled_query_len = max_compiled_query_len
-        if self._row_attention:
-            self.model.set_attn_implementation(ROW_ATTENTION)
         self.max_model_len = self._served_length(model_name, max_model_len)
         self.prefill_chunk_size = prefill_chunk_size
         if max_num_batched_tokens < 1:
@@ -173,6 +153,37 @@ class ModelRunner:
         self._graph_mode = self._uses_graphs(execution_mode, model_name)
         self._graphed: GraphedForward | None = None
         self._name = model_name
+
+    def _load(self, model: str | PreTrainedModel, dtype: str, trust_remote_code: bool) -> str:
+        """The model onto this runner's device, in eval mode, with its config and attention
+        layout (checked before any weight is loaded: a layout it cannot mask raises).
+        Returns the name logs give it (its path, or its class's name)."""
+        if isinstance(model, str):
+            self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            self.attention = attention_layout(self.config)  # refuses what it cannot mask
+            model_name, model = model, _load_model(model, _DTYPES[dtype], trust_remote_code)
+        else:
+            self.config = model.config
+            self.attention = attention_layout(self.config)
+            model_name = type(model).__name__
+        self.model = model.to(self.device)
+        self.model.eval()
+        return model_name
+
+    def _set_attention(self, attention_backend: str, execution_mode: str) -> None:
+        """How the model attends: by row positions (:mod:`specdec.row_attention`) where it
+        runs SDPA, on the slot kernels where they run; the probe at load falls back to
+        4-D masks where the model cannot."""
+        # Eager attention adds the mask to its scores; SDPA takes a boolean one.
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        self._mask_dtype = self.model.dtype if impl == "eager" else None
+        self._row_attention, self._slot_kernel = self._attention_choice(
+            attention_backend, impl, execution_mode
+        )
+        self._kv_in_place = True  # (the probe may turn it off: _check_spans)
+        self._last_spans: RowSpans | None = None  # the last pass's (the probe checks it)
+        if self._row_attention:
+            self.model.set_attn_implementation(ROW_ATTENTION)
 
     def _uses_graphs(self, mode: str, name: str) -> bool:
         """Whether passes replay CUDA graphs: of the eager kernels ("cuda_graph") or, on
@@ -733,6 +744,15 @@ class ModelRunner:
             logits = self._graphed_pass(plan, token_ids)
             if logits is not None:
                 return self._commit(seq_ids, plan, logits, last_only)
+        return self._commit(seq_ids, plan, self._module_pass(plan, token_ids, last_only), last_only)
+
+    def _module_pass(
+        self, plan: _RowPlan, token_ids: Sequence[Sequence[int]] | torch.Tensor, last_only: bool
+    ) -> torch.Tensor:
+        """The pass through the model's module, compiled or eager (not a recorded graph):
+        its logits in slot order, ``[batch, n, vocab]``, or on the eager path with
+        ``last_only`` only the positions :meth:`_logits_to_keep` names (which
+        :meth:`_commit` reads each row's last from)."""
         # Compiled unless a long prefill chunk, or a one-token cache (a size of 1 would
         # be a graph of its own: a 1-token prompt's prefill runs eagerly instead).
         compiled = (
@@ -759,7 +779,7 @@ class ModelRunner:
                     out = self.model(**kwargs)
         finally:
             self.cache.layout = None
-        return self._commit(seq_ids, plan, out.logits, last_only)
+        return out.logits
 
     # ----- CUDA graphs (execution_mode="cuda_graph", specdec.cuda_graphs) -----------------
 

@@ -106,19 +106,7 @@ class EngineCore:
         self._cpu_affinity = config.cpu_affinity
         self.cores: list[int] = []  # what the loop thread is pinned to (empty: not pinned)
         self.runner, self.draft_runner = self._load_models(config)
-        draft_max_model_len = (
-            self.draft_runner.max_model_len if self.draft_runner else config.draft_max_model_len
-        )
-        # k per domain and batch size for requests that do not set their own (None: fixed).
-        policy = SpeculationLength(config.length_policy) if config.length_policy else None
-        choice = ProposerChoice(config.proposer_choice) if config.proposer_choice else None
-        self.scheduler = Scheduler(
-            config.max_num_seqs,
-            self.runner.max_model_len,
-            draft_max_model_len or self.runner.max_model_len,
-            policy,
-            choice,
-        )
+        self.scheduler = self._make_scheduler(config)
         self.ngram_max, self.ngram_min = config.ngram_max, config.ngram_min
         self._policy_state: dict[str, dict] = {}  # the policy's choices, for drain_telemetry
         self._policy_state_at = float("-inf")  # when the loop last published them
@@ -160,6 +148,22 @@ class EngineCore:
         self._thread = threading.Thread(target=self._loop_guarded, name="specserve-core")
         self._thread.daemon = True
         self._thread.start()
+
+    def _make_scheduler(self, config: EngineCoreConfig) -> Scheduler:
+        """The scheduler, bounded by both models' lengths, with the config's policies."""
+        draft_max_model_len = (
+            self.draft_runner.max_model_len if self.draft_runner else config.draft_max_model_len
+        )
+        # k per domain and batch size for requests that do not set their own (None: fixed).
+        policy = SpeculationLength(config.length_policy) if config.length_policy else None
+        choice = ProposerChoice(config.proposer_choice) if config.proposer_choice else None
+        return Scheduler(
+            config.max_num_seqs,
+            self.runner.max_model_len,
+            draft_max_model_len or self.runner.max_model_len,
+            policy,
+            choice,
+        )
 
     def _load_models(self, config: EngineCoreConfig):
         """The target's runner, and a colocated draft's (loaded first: the target plans
