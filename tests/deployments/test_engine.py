@@ -1040,7 +1040,17 @@ def test_length_policy_keeps_greedy_exact_reports_rounds_and_takes_drift_alerts(
     assert resumed_tokens == generate_autoregressive(runner, PROMPTS[0], LONG).token_ids
     assert timings["resumed"] >= 1 and timings["paused"] >= paused + 1
     assert_nothing_held(held)
-    assert max(p["b"]["k"] for p in policies if "b" in p) > 0  # no alert: b speculates
+    # No alert for b: b drafted (in the cost measurements at least), and a's alert left
+    # b's k and α̂ as they were before it (no b row ran after it). Whether b's own k > 0
+    # pays is decided by measured round times, which this machine's load moves: asserting
+    # it was this test's flake.
+    assert any(r.domain == "b" and r.drafted > 0 for r in rounds)
+
+    def b_states(span):
+        return [(b.policy["b"]["k"], b.policy["b"]["alpha"]) for b in span if "b" in b.policy]
+
+    b_before, b_after = b_states(batches[:before]), b_states(batches[before:mid])
+    assert b_before and b_after and set(b_after) == {b_before[-1]}, (b_before, b_after)
 
 
 def test_requests_wait_for_kv_slots_and_the_draft_shares_its_budget(
