@@ -176,18 +176,17 @@ def test_each_runner_keeps_its_graphs_to_itself(warm_pair):
         assert len(entries) == len(runner.compile_seconds) == len(ALL_SHAPES)
 
 
-def test_graphs_of_other_kv_sizes_come_from_the_compile_cache(warm_pair, tiny_target, device):
-    """The KV cache's slot count and capacity are sizes the graphs read, not constants
-    they are made for: a runner of the same model with other ``max_num_seqs`` and
-    ``max_model_len`` gets every graph from Inductor's cache and generates none (so a
-    colocated draft reuses the actor draft's graphs, and a restart with other settings
-    compiles nothing; made for each size, this runner generated its 4 graphs afresh)."""
+def test_a_restarted_runner_gets_its_graphs_from_the_compile_cache(warm_pair, tiny_target, device):
+    """A runner of the same model and settings as one that compiled (a restart) gets
+    every graph from Inductor's cache and generates none. (The KV cache's slot count and
+    capacity are constants of the graphs: a runner with other ``max_num_seqs`` or
+    ``max_model_len`` compiles its own, see ``specdec/kv_cache.py``.)"""
     before = {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}
 
     def new(group: str, name: str) -> int:
         return counters[group][name] - before.get(group, {}).get(name, 0)
 
-    other = compiled(tiny_target, max_num_seqs=3, max_model_len=128, device=device)
+    other = compiled(tiny_target, max_num_seqs=6, max_model_len=256, device=device)
     assert set(other.warm_up()) == ALL_SHAPES
     assert new("inductor", "fxgraph_cache_miss") == 0
     hits = new("inductor", "fxgraph_cache_hit") + new("aot_autograd", "autograd_cache_hit")
