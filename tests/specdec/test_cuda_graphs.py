@@ -196,15 +196,13 @@ def test_compiled_runners_record_inductor_graphs_on_cuda(tiny_target, tiny_draft
     assert not runner._compiled.eager_shapes
 
 
-def test_recorded_graphs_hold_no_more_than_the_kv_budget_leaves_them(tiny_target, device):
-    """The KV budget leaves a graphed runner's graphs their memory: after every pass graph
-    a server can replay is recorded (each row bucket, 1 to MAX_GRAPH_QUERY_LEN queries,
-    every key block), their pool and logits buffers hold no more than the reserve, which
-    the plan keeps out of the cache beside the eager passes' peak."""
+def _reserving_runner(path: str, device: str) -> ModelRunner:
+    """A graphed runner of 4 slots x 512 tokens whose KV budget reserves its graphs'
+    memory (skips off CUDA, where nothing is recorded)."""
     if torch.device(device).type != "cuda":
         pytest.skip("the memory of recorded CUDA graphs: run with --device cuda")
-    runner = ModelRunner(
-        tiny_target,
+    return ModelRunner(
+        path,
         max_num_seqs=4,
         max_model_len=512,
         execution_mode="cuda_graph",
@@ -212,6 +210,14 @@ def test_recorded_graphs_hold_no_more_than_the_kv_budget_leaves_them(tiny_target
         reserve_activations=True,
         device=device,
     )
+
+
+def test_recorded_graphs_hold_no_more_than_the_kv_budget_leaves_them(tiny_target, device):
+    """The KV budget leaves a graphed runner's graphs their memory: after every pass graph
+    a server can replay is recorded (each row bucket, 1 to MAX_GRAPH_QUERY_LEN queries,
+    every key block), their pool and logits buffers hold no more than the reserve, which
+    the plan keeps out of the cache beside the eager passes' peak."""
+    runner = _reserving_runner(tiny_target, device)
     reserve = runner.graph_reserve_bytes
     assert reserve > 0
     assert runner.kv_plan.reserved_bytes == runner.activation_reserve_bytes + reserve
@@ -233,17 +239,7 @@ def test_draft_rounds_record_into_the_reserved_pool(tiny_draft, device):
     """A graphed draft's rounds (GraphedDraftSteps) record into its runner's pool, after
     the largest pass: rounds of 1 to 8 steps at 1 to 4 rows, 300-odd keys, add no more than
     the allocator's rounding to it, so the KV budget's reserve still holds every graph."""
-    if torch.device(device).type != "cuda":
-        pytest.skip("the memory of recorded CUDA graphs: run with --device cuda")
-    runner = ModelRunner(
-        tiny_draft,
-        max_num_seqs=4,
-        max_model_len=512,
-        execution_mode="cuda_graph",
-        kv_cache_memory_fraction=0.5,
-        reserve_activations=True,
-        device=device,
-    )
+    runner = _reserving_runner(tiny_draft, device)
     runner.record_graphs([4], [MAX_GRAPH_QUERY_LEN], [512])
     graphs = runner.pass_graphs
     largest = graphs.pool_bytes()
