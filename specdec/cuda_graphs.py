@@ -157,7 +157,8 @@ class GraphRecorder:
 
     def memory_bytes(self) -> int:
         """What the recorded graphs hold now [bytes]: their pool's segments and the shared
-        output buffers (0 off CUDA, where nothing is recorded)."""
+        output buffers (0 off CUDA, where nothing is recorded). A recorder that shares
+        another's pool counts that whole pool too: add one of the two, not both."""
         shared = sum(b.numel() * b.element_size() for b in self._shared.values())
         return self.pool_bytes() + shared
 

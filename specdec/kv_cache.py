@@ -185,7 +185,8 @@ class SlotKVCache(Cache):
         storage-offset guards for the demo target's 10 layers): measured on the demo pair,
         a start from the compile cache took 33.1 s for ``demo.yaml`` (39.1 s colocated)
         against 24.1 s (29.5 s) with constant sizes. A runner of other sizes compiles its
-        own graphs (a restart with the same settings loads them)."""
+        own graphs: a restart with the same settings loads them, unless a budget by memory
+        fraction gives it another slot count (free memory differs)."""
         self.num_slots, self.capacity = num_slots, capacity
         groups: dict[tuple, list[_SlotLayer]] = {}
         for layer in self.layers:

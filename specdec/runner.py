@@ -801,7 +801,11 @@ class ModelRunner:
     @property
     def pass_graphs(self) -> GraphedForward:
         """This runner's pass graphs (made at first use); other graphs of this runner
-        (a draft's rounds, :class:`specdec.draft_steps.GraphedDraftSteps`) share their pool."""
+        (a draft's rounds, :class:`specdec.draft_steps.GraphedDraftSteps`) share their pool.
+        Refused before the KV cache is allocated: the graphs take their row buckets and
+        scratch column from it for good."""
+        if self.kv_plan is None:
+            raise RuntimeError(f"{self._name}: allocate the KV cache before its graphs")
         return self._graphs()
 
     def _graphed_pass(

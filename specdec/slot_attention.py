@@ -116,7 +116,7 @@ def _splits(device: torch.device, programs: int, kv_len: int) -> int:
     on a CPU, for the tests)."""
     units = 2 * _multiprocessors(device) if device.type == "cuda" else 4
     wanted = max(1, min(triton.cdiv(kv_len, BLOCK_N), triton.cdiv(units, programs)))
-    return 1 << (wanted.bit_length() - 1)  # (a power of two down: no span left empty)
+    return 1 << (wanted.bit_length() - 1)  # (a power of two down: at most `units` in all)
 
 
 @functools.cache
