@@ -407,6 +407,19 @@ def test_prefill_passes_stay_within_the_token_budget(tiny_target):
         ModelRunner(tiny_target, max_num_batched_tokens=0)
 
 
+def test_the_kv_caches_sizes_are_constants_for_compiled_graphs(runner):
+    """No cache tensor (nor the stack it is a view of) carries a dynamic-size mark: its
+    slot count and capacity are constants of a compiled graph. Marked dynamic, the
+    layers' aliasing views cost torch guards on every pair of them (specdec/kv_cache.py:
+    a start from the compile cache 33 s against 24 s for the demo)."""
+    tensors = [t for layer in runner.cache.layers for t in (layer.keys, layer.values)]
+    tensors += [t._base for t in tensors if t._base is not None]
+    assert len(tensors) > 2
+    for t in tensors:
+        assert not getattr(t, "_dynamo_weak_dynamic_indices", None)
+        assert not getattr(t, "_dynamo_dynamic_indices", None)
+
+
 def test_a_slot_copy_is_one_op_per_layout_over_all_layers(runner):
     """Fork and free copy live tokens across every layer at once: the layers' keys and
     values are views of one stacked tensor, and the forked row continues exactly as its
