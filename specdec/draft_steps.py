@@ -2,8 +2,9 @@
 
 Why: a small draft's step is mostly the cost of calling it. On the demo draft (one layer,
 one thread, this repository's CPU machines) a compiled call costs about 0.75 ms before its
-first kernel (guards on thousands of module attributes, the graph's wrappers) and each
-step inside it about 0.25 ms; the runner's Python around a pass (rows, positions, layout,
+first kernel (guards on thousands of module attributes, the graph's wrappers; once warm
+only the input tensors' guards run, :meth:`specdec.execution.CompiledForward._guard_stance`)
+and each step inside it about 0.25 ms; the runner's Python around a pass (rows, positions, layout,
 the logits' commit) and the proposer's after it (top-m, confidence) add 0.3-0.5 ms more.
 So :meth:`specdec.proposers.DraftModelProposer.propose` runs a round's steps, each
 feeding one token per row (the step before's draft, or at the first step the one

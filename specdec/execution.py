@@ -21,6 +21,7 @@ A graph that fails to compile leaves that shape eager (logged), the rest compile
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -138,7 +139,7 @@ class CompiledForward:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         start = time.perf_counter()
         try:
-            with self._settings[self.frozen]:
+            with self._settings[self.frozen], self._guard_stance(shape):
                 out = self._compiled(**kwargs)
         except _COMPILE_ERRORS as exc:
             # A graph that could not be made (or, once frozen, would have to be made again):
@@ -152,6 +153,30 @@ class CompiledForward:
             self.compile_seconds[shape] = seconds
             logger.info("%s: compiled %s in %.1f s", self.name, shape, seconds)
         return out
+
+    def _guard_stance(self, shape) -> contextlib.AbstractContextManager:
+        """How much of a graph's guards a call evaluates: once frozen, for a shape whose
+        graph the warm-up built, outside any function mode, only the checks of the input
+        tensors (torch's ``skip_guard_eval_unsafe`` stance: the guards on tensors that are
+        not parameters, and any guard that ever failed), else all of them.
+
+        Why: the rest are checks on parameters and on hundreds of module attributes
+        (config values, flags), about 0.2 ms of every target pass and of every draft graph
+        on this repository's CPU machines (measured interleaved, demo pair), on the
+        critical path of every round. None of it can change once warm: weights change in
+        place (:meth:`ModelRunner.load_weights <specdec.runner.ModelRunner.load_weights>`),
+        modules are never rebuilt, and the sizes and dtypes of every input, the KV cache
+        included, are still checked. A shape the warm-up did not build, or a call under a
+        function mode (a profiler, a counter), gets every guard, so it misses and runs
+        eager as before."""
+        if self.frozen and shape in self.compile_seconds and not _function_modes():
+            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        return contextlib.nullcontext()
+
+
+def _function_modes() -> int:
+    """How many ``TorchFunctionMode`` s are active (their stack is one of a graph's guards)."""
+    return torch._C._len_torch_function_stack()
 
 
 # What a graph that cannot be made (or, once frozen, made again) raises.

@@ -139,6 +139,48 @@ def test_a_warm_graph_whose_guards_miss_runs_eager_instead_of_compiling(
     assert "runs eager" in caplog.text
 
 
+def _skips_guards(graphs, shape) -> bool:
+    """Whether a call of ``shape`` would evaluate only its input tensors' guards."""
+    with graphs._guard_stance(shape):
+        return torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance()
+
+
+def test_warm_graphs_check_their_inputs_alone_and_an_unbuilt_shape_runs_eager(
+    tiny_target, device, caplog
+):
+    """Once frozen, a shape the warm-up built is called with the guards on its input
+    tensors alone (those on parameters and module attributes, which cannot change once
+    warm, skipped: ``CompiledForward._guard_stance``); a shape it did not build, or a call
+    under a function mode, has every guard evaluated, so it misses and runs eager with
+    eager's logits instead of running another shape's graph. The built shape's graph keeps
+    giving eager's logits."""
+    target = compiled(tiny_target, max_num_seqs=2, max_model_len=64, device=device)
+    eager = ModelRunner(tiny_target, max_num_seqs=2, max_model_len=64, device=device)
+    prompt = list(range(5, 45))  # longer than max_compiled_query_len: an eager prefill
+    for runner in (target, eager):
+        runner.prefill(["a"], [prompt])
+    graphs = target._compiled
+    decode, verify = PassShape(True, True), PassShape(True, False)
+
+    def same(tokens: list[int]) -> None:
+        got = target.forward(["a"], [tokens])[0]
+        torch.testing.assert_close(got, eager.forward(["a"], [tokens])[0], rtol=1e-4, atol=1e-4)
+
+    same([7])  # builds the one-row decode graph alone
+    graphs.freeze()  # as a warm-up leaves it
+    assert set(target.compile_seconds) == {decode}
+    assert _skips_guards(graphs, decode)
+    assert not _skips_guards(graphs, verify)
+    with _PassThrough():
+        assert not _skips_guards(graphs, decode)
+    with caplog.at_level(logging.WARNING, logger="specserve.execution"):
+        same([8, 9])  # a shape never built
+    assert graphs.eager_shapes == {verify} and "runs eager" in caplog.text
+    for token in (3, 4, 5):
+        same([token])
+    assert graphs.eager_shapes == {verify}
+
+
 def test_compiled_logits_equal_eager(warm_pair, tiny_target, device):
     """The same ragged passes through the graphs and eagerly: the same logits."""
     target, _ = warm_pair
