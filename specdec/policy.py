@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from specdec.speculation_gate import GateConfig, SpeculationGate
 from specdec.speedup import expected_tokens_per_round
 from specdec.stats import alpha_hat
-from specdec.stop_lengths import StopLengths
 
 
 def batch_bucket(num_seqs: int) -> int:
@@ -195,46 +194,20 @@ class _Domain:
         return alpha_hat(self.accepted, self.rejections)
 
 
-@dataclass(frozen=True)
-class _CostModel:
-    """What a bucket's data predict per k asked, built once per observation (the policy
-    is asked once per row per round)."""
-
-    observed: int  # the bucket's observations it was built from
-    drafts: tuple[float, ...]  # [k] drafts a row gets when k is asked (index 0..max_k)
-    line: tuple[float, float, float] | None  # round time = t + slope * (drafts - x): x, t, slope
-    ratios: dict[int, float]  # drafts made -> committed / E(α̂, drafts)
-
-    def seconds(self, drafts: float) -> float | None:
-        """The round time of rounds that make ``drafts`` drafts a row (None: no data)."""
-        if self.line is None:
-            return None
-        x, t, slope = self.line
-        return t + slope * (drafts - x)
-
-
 @dataclass
 class _Costs:
-    """What one batch-size bucket's rounds measured: critical-path round time (per k
-    asked at k = 0, per drafts made at k > 0), where rows' drafts ended, and how far E fell
-    short."""
+    """Measured critical-path round time of one batch-size bucket, per draft length."""
 
     seconds: dict[int, float] = field(default_factory=dict)  # k -> decayed mean round time
-    # drafts made (the drafting rows' mean, rounded) -> decayed mean round time of rounds
-    # planned at any k > 0: what a round costs follows the drafts it made, whatever k was
-    # asked (a confidence stop makes a round at k = 12 one of 2 drafts on unsure text).
-    made_seconds: dict[int, float] = field(default_factory=dict)
-    made_rounds: dict[int, float] = field(default_factory=dict)  # drafts made -> decayed count
-    observed: int = 0  # observations so far (what a cached _CostModel was built from)
-    model: _CostModel | None = None  # the predictions of the data at ``model.observed``
-    stops: StopLengths = field(default_factory=StopLengths)  # where rows' drafts end
-    # drafts made -> decayed sums of the tokens drafting rows committed and of what E(α̂
-    # of each row's domain, the round's mean drafts) predicted for them: their ratio is
-    # below 1 where the formula is optimistic (rows stop at different lengths and E is
-    # concave in them; α̂ is estimated); E is scaled by it (never up). Sums, not a mean of
-    # per-round ratios: one odd round must not condemn a length.
-    committed: dict[int, float] = field(default_factory=dict)
-    expected: dict[int, float] = field(default_factory=dict)
+    # k -> decayed mean of the drafts a drafted row really got in rounds planned at k: a
+    # draft that stops where it is unsure (draft_confidence_threshold) or a draft that
+    # timed out gives fewer than k, and E(α, k) must count the drafts that were made.
+    drafted: dict[int, float] = field(default_factory=dict)
+    # k -> decayed ratio of the tokens those rows committed to what E(α̂ of each row's
+    # domain, the mean drafts) predicted: below 1 where the formula is optimistic (rows
+    # stop at different lengths and E is concave in them; α̂ is estimated); E is scaled
+    # by it (never up).
+    ratio: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
     last: dict[int, int] = field(default_factory=dict)  # k -> round of its last measurement
     tries: dict[int, int] = field(default_factory=dict)  # k -> rounds forced to measure it
@@ -297,15 +270,12 @@ class SpeculationLength:
     * ``α̂ = A / (A + R)`` per domain: decayed counts of accepted tokens and of rounds that
       hit a rejection (independent of k, unlike accepted/drafted), and
       ``E(α, k) = (1 - α^(k+1)) / (1 - α)`` tokens per round, with k the drafts a row
-      really gets when k is asked for (a draft with a confidence stop proposes far fewer
-      than a large k, and counting k would make a long k look cheap): estimated per bucket
-      from where the rows' drafts ended at every k asked (:class:`StopLengths`), so that
-      each round informs every k, not only its own;
+      really gets when k is asked for (measured per bucket: a draft with a confidence stop
+      proposes far fewer than a large k, and counting k would make a long k look cheap);
     * ``T(b, k)``: the measured critical-path time of engine rounds in the batch-size
-      bucket of ``b`` (verification, waiting for drafts and every overhead: what the
-      pipeline really costs, overlap and contention included), at k > 0 that of rounds
-      that made as many drafts as k is expected to get, whatever k they asked for,
-      interpolated linearly between the counts measured.
+      bucket of ``b`` whose longest draft was k (verification, waiting for drafts and
+      every overhead: what the pipeline really costs, overlap and contention included),
+      interpolated linearly in k between measured lengths.
 
     Speculation must beat plain decoding by ``min_gain`` (predicted) to be chosen: near
     break-even the estimates' noise, and the cores the draft takes from the frontend (not
@@ -365,21 +335,14 @@ class SpeculationLength:
         if seconds <= 0 or not 0 <= k <= self.max_k:
             return
         c = self._bucket(batch_size)
-        got = float(k) if not rows else sum(min(n, k) for _, n, _ in rows) / len(rows)
-        made = round(got)
         if k in c.fresh:
             c.fresh.discard(k)
-            c.seconds.pop(k, None)
-            if k > 0:
-                for by_made in (c.made_seconds, c.made_rounds, c.committed, c.expected):
-                    by_made.pop(made, None)
+            for by_k in (c.seconds, c.drafted, c.ratio):
+                by_k.pop(k, None)
         c.seconds[k] = self._decayed(c.seconds.get(k), seconds)
         if k > 0:
-            c.made_seconds[made] = self._decayed(c.made_seconds.get(made), seconds)
-            for j in c.made_rounds:
-                c.made_rounds[j] *= self.decay
-            c.made_rounds[made] = c.made_rounds.get(made, 0.0) + 1.0
-            c.stops.observe([(n, k) for _, n, _ in rows] if rows else [(k, k)])
+            got = float(k) if not rows else sum(min(n, k) for _, n, _ in rows) / len(rows)
+            c.drafted[k] = self._decayed(c.drafted.get(k), got)
             expected = committed = 0.0
             for domain, _n, accepted in rows or ():
                 alpha = self.alpha(domain)
@@ -387,20 +350,15 @@ class SpeculationLength:
                     expected += expected_tokens_per_round(alpha, got)
                     committed += accepted + 1
             if expected > 0:
-                for by_made, value in ((c.committed, committed), (c.expected, expected)):
-                    for j in by_made:
-                        by_made[j] *= self.decay
-                    by_made[made] = by_made.get(made, 0.0) + value
+                c.ratio[k] = self._decayed(c.ratio.get(k), committed / expected)
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
-        c.observed += 1
 
     def _bucket(self, batch_size: int) -> _Costs:
         """The cost bookkeeping of ``batch_size``'s bucket, created on first use."""
         c = self._costs.get(batch_bucket(batch_size))
         if c is None:
-            c = _Costs(remeasure_every=self.remeasure_every, stops=StopLengths(self.decay))
-            self._costs[batch_bucket(batch_size)] = c
+            c = self._costs[batch_bucket(batch_size)] = _Costs(remeasure_every=self.remeasure_every)
         return c
 
     def _decayed(self, old: float | None, new: float) -> float:
@@ -502,43 +460,28 @@ class SpeculationLength:
         return alpha is None or 1.0 / max(1e-9, 1.0 - alpha) >= 1.0 + self.min_gain
 
     def round_time(self, batch_size: int, k: int) -> float | None:
-        """Predicted round time at draft length k (None until the bucket has data): at
-        k > 0 that of rounds that made as many drafts as k is expected to get (measured
-        at any k, on the line through the counts measured: :func:`_line_through`)."""
+        """Predicted round time at draft length k (None until the bucket has data)."""
         c = self._costs.get(batch_bucket(batch_size))
         if c is None or not c.seconds:
             return None
         if k == 0:
             return c.seconds.get(0)
-        return self._model(c).seconds(self.drafts_per_row(batch_size, k))
+        return _interpolate(c.seconds, k)
 
     def drafts_per_row(self, batch_size: int, k: int) -> float:
-        """The drafts a drafting row is expected to get when k is asked for: from where
-        the bucket's rows' drafts ended, at every k asked (:class:`StopLengths`), else k."""
+        """The drafts a drafting row is expected to get when k is asked for: measured in
+        the bucket (interpolated between measured lengths, never above k), else k."""
         c = self._costs.get(batch_bucket(batch_size))
-        if c is None or not 0 < k <= self.max_k:
-            return float(k)
-        return self._model(c).drafts[k]
+        got = None if c is None or k == 0 else _interpolate(c.drafted, k)
+        return float(k) if got is None else min(float(k), got)
 
     def tokens_per_row(self, alpha: float, batch_size: int, k: int) -> float:
         """Tokens a row commits per round at k: ``E(α, drafts it gets)``, scaled down by
-        how far the bucket's rows that made as many drafts fell short of that prediction
-        (measured)."""
-        drafts = self.drafts_per_row(batch_size, k)
-        e = expected_tokens_per_round(alpha, drafts)
+        how far the bucket's rows at k fell short of that prediction (measured)."""
+        e = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k))
         c = self._costs.get(batch_bucket(batch_size))
-        ratios = {} if c is None else self._model(c).ratios
-        ratio = _interpolate(ratios, drafts, least=0) if ratios else None
+        ratio = None if c is None else _interpolate(c.ratio, k)
         return e if ratio is None else max(1.0, e * min(1.0, ratio))
-
-    def _model(self, c: _Costs) -> _CostModel:
-        if c.model is None or c.model.observed != c.observed:
-            drafts = (0.0, *c.stops.expected_drafts_upto(self.max_k))  # (k without data)
-            ratios = {j: c.committed[j] / x for j, x in c.expected.items() if x > 1e-12}
-            c.model = _CostModel(
-                c.observed, drafts, _line_through(c.made_seconds, c.made_rounds), ratios
-            )
-        return c.model
 
     def predicted_k(self, domain: str, batch_size: int) -> int:
         """The goodput-maximising k from what is measured (``default_k`` until then)."""
@@ -628,36 +571,12 @@ class SpeculationLength:
         return out
 
 
-def _line_through(
-    means: dict[int, float], weights: dict[int, float]
-) -> tuple[float, float, float] | None:
-    """The weighted least-squares line through the mean round times measured per drafts
-    made (weights: how many rounds each mean rests on), as ``(x, t, slope)``: round time
-    ``t + slope * (drafts - x)``. One mean, or a line that falls with more drafts (noise:
-    a draft step never costs less than nothing), gives the weighted mean. None without
-    data.
-
-    Why a line: each draft step and each position verified costs about the same, and a
-    mean per count of drafts rests on the few rounds that happened to make that many, so
-    one slow round at an odd count would make it look costly."""
-    points = [(j, t, weights.get(j, 0.0)) for j, t in means.items() if weights.get(j, 0.0) > 0]
-    total = sum(w for _, _, w in points)
-    if total <= 0:
-        return None
-    mx = sum(w * j for j, _, w in points) / total
-    mt = sum(w * t for _, t, w in points) / total
-    sxx = sum(w * (j - mx) ** 2 for j, _, w in points)
-    slope = sum(w * (j - mx) * (t - mt) for j, t, w in points) / sxx if sxx > 1e-12 else 0.0
-    return mx, mt, max(0.0, slope)
-
-
-def _interpolate(by_k: dict[int, float], k: float, least: int = 1) -> float | None:
-    """A per-k measurement at ``k >= least``: measured, or linear between the nearest
-    measured lengths around it, or past the data the nearest one; None without data at
-    lengths >= ``least``."""
+def _interpolate(by_k: dict[int, float], k: int) -> float | None:
+    """A per-k measurement at ``k >= 1``: measured, or linear between the nearest measured
+    lengths around it, or past the data the nearest one; None without data at k >= 1."""
     if k in by_k:
         return by_k[k]
-    drafted = sorted((m, v) for m, v in by_k.items() if m >= least)
+    drafted = sorted((m, v) for m, v in by_k.items() if m > 0)
     if not drafted:
         return None
     below = [(m, v) for m, v in drafted if m < k]
