@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,11 +126,27 @@ class CompiledForward:
         # Once warm (freeze), a pass whose graph's guards fail never compiles in a request
         # (seconds that would stall every row of the batch): its shape goes eager, logged.
         self.frozen = False
+        # Once frozen, warm graphs check their input tensors' guards alone
+        # (:meth:`_guard_stance`); False: every guard (tests of recompiles set it).
+        self.trust_warm_guards = True
+        self._every_guard = 0  # calls inside every_guard() in flight
         self._settings = {state: _CompileSettings(state) for state in (False, True)}
 
     def freeze(self) -> None:
         """No more compiling: called after the warm-up has built every shape's graph."""
         self.frozen = True
+
+    @contextlib.contextmanager
+    def every_guard(self):
+        """Calls inside check every guard of their graph: for a call whose Python-level
+        settings may differ from those the warm-up traced under one shape (a pass recorded
+        once into a CUDA graph: ``ModelRunner._static_pass``), which only guards the
+        skipped ones can tell apart, and whose guards are paid once anyway."""
+        self._every_guard += 1
+        try:
+            yield
+        finally:
+            self._every_guard -= 1
 
     def __call__(self, shape, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], **kwargs):
         if shape in self.eager_shapes:
@@ -168,15 +185,51 @@ class CompiledForward:
         modules are never rebuilt, and the sizes and dtypes of every input, the KV cache
         included, are still checked. A shape the warm-up did not build, or a call under a
         function mode (a profiler, a counter), gets every guard, so it misses and runs
-        eager as before."""
-        if self.frozen and shape in self.compile_seconds and not _function_modes():
-            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        eager as before.
+
+        What picks a graph must therefore be in its shape key or a tensor's size: a
+        Python value the graph was specialised on is not checked once warm (see
+        :meth:`every_guard`). torch's stance is the process's, not the thread's: it is
+        taken only while no other thread's call holds it (else every guard runs), and
+        graphs are called from one thread per process (the engine core's loop, the draft
+        worker's)."""
+        if (
+            self.frozen
+            and self.trust_warm_guards
+            and not self._every_guard
+            and shape in self.compile_seconds
+            and not _function_modes()
+        ):
+            return _SkippedGuards()
         return contextlib.nullcontext()
 
 
 def _function_modes() -> int:
     """How many ``TorchFunctionMode`` s are active (their stack is one of a graph's guards)."""
     return torch._C._len_torch_function_stack()
+
+
+# Held by the one call under torch's skip_guard_eval_unsafe stance (a process-wide setting):
+# a call on another thread meanwhile evaluates every guard instead of sharing or undoing it.
+_SKIP_GUARDS_LOCK = threading.Lock()
+
+
+class _SkippedGuards:
+    """torch's ``skip_guard_eval_unsafe`` stance around one call, when no other thread's
+    call holds it (else nothing: that call checks every guard)."""
+
+    def __enter__(self) -> None:
+        self._stance = None
+        if _SKIP_GUARDS_LOCK.acquire(blocking=False):
+            self._stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+            self._stance.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self._stance is not None:
+            try:
+                self._stance.__exit__(*exc)
+            finally:
+                _SKIP_GUARDS_LOCK.release()
 
 
 # What a graph that cannot be made (or, once frozen, made again) raises.

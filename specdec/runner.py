@@ -855,7 +855,9 @@ class ModelRunner:
                 else:  # Inductor's kernels recorded (its graph per PassShape, sizes dynamic)
                     batch, n = inputs.input_ids.shape
                     dynamic = _PassInputs(inputs.input_ids, inputs.position_ids, layout).dynamic()
-                    out = self._compiled(PassShape(batch == 1, n == 1), dynamic, **kwargs)
+                    # (padded keys under a shape the module pass may have built: every guard)
+                    with self._compiled.every_guard():
+                        out = self._compiled(PassShape(batch == 1, n == 1), dynamic, **kwargs)
         finally:
             self.cache.layout = None
         return out.logits

@@ -8,6 +8,7 @@ lengths, batch compositions, draft lengths and greedy/sampled mixes run the warm
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 
@@ -18,7 +19,12 @@ from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
 from transformers import AutoTokenizer
 
-from specdec.execution import PassShape, compile_cache_dir, default_execution_mode
+from specdec.execution import (
+    CompiledForward,
+    PassShape,
+    compile_cache_dir,
+    default_execution_mode,
+)
 from specdec.proposers import DraftModelProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -91,10 +97,20 @@ def run_rounds(target: ModelRunner, draft: ModelRunner, steps: int, seed: int) -
         proposer.free(sid)
 
 
-def test_rounds_of_every_composition_never_recompile(warm_pair):
+@pytest.mark.parametrize("trust", [False, True], ids=["every-guard", "input-guards"])
+def test_rounds_of_every_composition_never_recompile(warm_pair, trust):
+    """Every guard checked (``trust_warm_guards`` off): a Python value a graph was
+    specialised on that varied between rounds would recompile here, an error. Then as
+    served (the warm graphs' input tensors' guards alone): the same rounds run."""
     target, draft = warm_pair
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        run_rounds(target, draft, steps=40, seed=0)
+    for runner in warm_pair:
+        runner._compiled.trust_warm_guards = trust
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            run_rounds(target, draft, steps=40, seed=0)
+    finally:
+        for runner in warm_pair:
+            runner._compiled.trust_warm_guards = True
     for runner in warm_pair:
         assert runner.compile_seconds.keys() == ALL_SHAPES
         assert not runner._compiled.eager_shapes
@@ -108,6 +124,7 @@ def test_rounds_past_a_sliding_window_never_recompile(family_models, device):
     for runner in (target, draft):
         assert runner.attention.has_sliding
         assert set(runner.warm_up()) == ALL_SHAPES
+        runner._compiled.trust_warm_guards = False  # every guard: a recompile is seen
     with torch._dynamo.config.patch(error_on_recompile=True):
         run_rounds(target, draft, steps=40, seed=1)
     for runner in (target, draft):  # (a frozen graph that missed would have gone eager)
@@ -137,6 +154,25 @@ def test_a_warm_graph_whose_guards_miss_runs_eager_instead_of_compiling(
     torch.testing.assert_close(got, eager.forward(["a"], [[7, 8]])[0], rtol=1e-4, atol=1e-4)
     assert target._compiled.eager_shapes == {PassShape(True, False)}
     assert "runs eager" in caplog.text
+
+
+def test_a_warm_graph_checks_no_python_value_unless_every_guard_is_asked():
+    """Once frozen, a warm graph checks its input tensors' guards alone: a Python value
+    it was specialised on (here a flag) is not checked, and the warm graph runs whatever
+    it is (so everything that picks a graph must be in its shape key). Asked for every
+    guard (``every_guard``: a pass recorded once; ``trust_warm_guards`` off: the tests of
+    recompiles), the changed value misses the graph and the shape runs eager, exact."""
+    for ask in ("every_guard", "untrusted"):
+        graphs = CompiledForward(lambda x, negate: -x if negate else x + 0, f"flag-{ask}")
+        x = torch.ones(3)
+        assert graphs("s", [], x=x, negate=False).tolist() == [1.0] * 3
+        graphs.freeze()
+        assert graphs("s", [], x=x, negate=True).tolist() == [1.0] * 3  # unchecked: stale
+        if ask == "untrusted":
+            graphs.trust_warm_guards = False
+        with graphs.every_guard() if ask == "every_guard" else contextlib.nullcontext():
+            assert graphs("s", [], x=x, negate=True).tolist() == [-1.0] * 3
+        assert graphs.eager_shapes == {"s"}
 
 
 def _skips_guards(graphs, shape) -> bool:
