@@ -221,8 +221,13 @@ class _SkippedGuards:
     def __enter__(self) -> None:
         self._stance = None
         if _SKIP_GUARDS_LOCK.acquire(blocking=False):
-            self._stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-            self._stance.__enter__()
+            try:
+                stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                stance.__enter__()
+            except BaseException:
+                _SKIP_GUARDS_LOCK.release()
+                raise
+            self._stance = stance
 
     def __exit__(self, *exc) -> None:
         if self._stance is not None:
