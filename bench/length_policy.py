@@ -23,28 +23,15 @@ import json
 from pathlib import Path
 
 import ray
-import yaml
 from transformers import AutoTokenizer
 
 from bench.common import RESULTS, write_result
 from bench.heldout import mixed
-from bench.pipeline import MODELS, ROOT, drive
-from deployments.config import EngineConfig
+from bench.pipeline import MODELS, drive, shipped_config
 from deployments.frontend.engine_client import EngineClient
 from specdec.sampling import SamplingParams
 
 KEYS = ("tokens", "wall_s", "rounds", "drafted", "accepted")
-
-
-def engine_config(name: str, speculation: dict) -> EngineConfig:
-    """The engine section of ``cluster/serve/<name>`` as shipped (model paths made
-    absolute), its ``speculation`` section updated with ``speculation``."""
-    app = yaml.safe_load((ROOT / "cluster" / "serve" / name).read_text())["applications"][0]
-    engine = app["args"]["engine"]
-    for role in ("target", "draft"):
-        engine[role]["model"] = str(ROOT / engine[role]["model"])
-    engine["speculation"].update(speculation)
-    return EngineConfig.model_validate(engine)
 
 
 async def bench(args) -> dict:
@@ -53,8 +40,8 @@ async def bench(args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     variant = json.loads(args.variant)
     engines = {
-        "shipped": EngineClient(engine_config(args.config, {})),
-        "variant": EngineClient(engine_config(args.config, variant)),
+        "shipped": EngineClient(shipped_config(args.config)),
+        "variant": EngineClient(shipped_config(args.config, speculation=variant)),
     }
     for engine in engines.values():
         await engine.start()

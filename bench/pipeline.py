@@ -187,16 +187,20 @@ async def bench(args) -> dict:
     return results
 
 
-def shipped_config(name: str, fixed_width: bool = False) -> EngineConfig:
+def shipped_config(
+    name: str, fixed_width: bool = False, speculation: dict | None = None
+) -> EngineConfig:
     """The engine section of ``cluster/serve/<name>`` as shipped (model paths made
     absolute); ``fixed_width``: speculation during verification always on, at the config's
-    width (what its branches do, whether or not the width policy would keep them)."""
+    width (what its branches do, whether or not the width policy would keep them);
+    ``speculation``: settings that replace the section's own."""
     app = yaml.safe_load((ROOT / "cluster" / "serve" / name).read_text())["applications"][0]
     engine = app["args"]["engine"]
     for role in ("target", "draft"):
         engine[role]["model"] = str(ROOT / engine[role]["model"])
     if fixed_width:
         engine["speculation"]["adaptive_overlap"] = False
+    engine["speculation"].update(speculation or {})
     return EngineConfig.model_validate(engine)
 
 

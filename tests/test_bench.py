@@ -154,7 +154,7 @@ def test_ttft_prefill_in_process(results):
 
 def test_config_builders_validate():
     """The configs the Ray benchmarks would deploy still match deployments.config."""
-    from bench import length_policy, pipeline, policy, serving
+    from bench import pipeline, policy, serving
     from deployments.config import AppConfig
 
     for mode, transport in (("sequential", "actor"), ("overlap", "compiled_graph")):
@@ -165,8 +165,8 @@ def test_config_builders_validate():
         assert (cfg.draft_placement == "colocated") == (shape == "colocated")
         assert not cfg.speculation.adaptive_overlap and Path(cfg.target.model).is_dir()
     assert AppConfig.model_validate(policy.app_config("demo-draft", 4, 9464)).engine.draft
-    shipped = length_policy.engine_config("demo-colocated.yaml", {})
-    fixed = length_policy.engine_config("demo-colocated.yaml", {"policy": "fixed"})
+    shipped = pipeline.shipped_config("demo-colocated.yaml")
+    fixed = pipeline.shipped_config("demo-colocated.yaml", speculation={"policy": "fixed"})
     assert (shipped.speculation.policy, fixed.speculation.policy) == ("goodput", "fixed")
     assert fixed.draft_placement == "colocated" and Path(fixed.draft.model).is_dir()
     for draft in (True, False):
