@@ -140,6 +140,35 @@ def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
     return str(path)
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): the
+# tests that run a Ray cluster (the session's own, or one they start) all go to one worker,
+# in order, so that one Ray instance at a time shares the machine's cores and memory; the
+# rest (models in process: specdec, policies, detectors) run on the other meanwhile.
+RAY_FIXTURES = frozenset({"ray_local", "serve_http", "two_node_cluster"})
+# Tests that start Ray in a process of their own (a client's server, `serve deploy`, a
+# bench module run as a command).
+RAY_FILES = ("tests/clients/", "test_drift_e2e.py", "test_bench_adaptation.py")
+
+
+def runs_ray(item) -> bool:
+    path = item.nodeid.split("::")[0]
+    return bool(RAY_FIXTURES & set(item.fixturenames)) or any(f in path for f in RAY_FILES)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test in a group: "ray", or its file (so that a file's module-scoped fixtures,
+    compiled runners among them, are built on one worker only)."""
+    for item in items:
+        group = "ray" if runs_ray(item) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one intra-op thread each, instead of two threads per
+    # process spinning against each other and against the Ray worker's actors.
+    torch.set_num_threads(1)
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--device",
