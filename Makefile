@@ -49,7 +49,7 @@ monitoring-tools:
 
 test: $(STAMP) $(CLIENTS_STAMP) monitoring-tools
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n 2 --dist loadgroup
+	$(BIN)/pytest -q -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -140,27 +140,58 @@ def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
     return str(path)
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): the
-# tests that run a Ray cluster (the session's own, or one they start) all go to one worker,
-# in order, so that one Ray instance at a time shares the machine's cores and memory; the
-# rest (models in process: specdec, policies, detectors) run on the other meanwhile.
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`): the files whose tests
+# run a Ray cluster (the session's own, or one they start) all go to one worker, in order,
+# so that one Ray instance at a time shares the machine's cores and memory; every other file
+# (models in process: specdec, policies, detectors) goes whole to the first worker free, so
+# that its module-scoped fixtures (compiled runners among them) are built once.
 RAY_FIXTURES = frozenset({"ray_local", "serve_http", "two_node_cluster"})
-# Tests that start Ray in a process of their own (a client's server, `serve deploy`, a
-# bench module run as a command).
-RAY_FILES = ("tests/clients/", "test_drift_e2e.py", "test_bench_adaptation.py")
+RAY_FILES = frozenset(
+    "tests/" + name
+    for name in (
+        "adaptation/test_bench_adaptation.py",  # bench.adaptation, in a process of its own
+        "clients/test_aiperf.py",  # a client against a server of the package's fixture
+        "clients/test_guidellm.py",
+        "clients/test_lm_eval.py",
+        "clients/test_vllm_bench_replay.py",
+        "deployments/test_channel.py",
+        "deployments/test_deploy_shapes.py",
+        "deployments/test_engine.py",
+        "deployments/test_engine_law.py",
+        "deployments/test_families_http.py",
+        "deployments/test_http.py",
+        "deployments/test_serve_deploy.py",
+        "deployments/test_serve_engine.py",
+        "deployments/test_two_node.py",
+        "monitoring/test_drift_e2e.py",  # Prometheus and Alertmanager against a server
+    )
+)
 
 
-def runs_ray(item) -> bool:
-    path = item.nodeid.split("::")[0]
-    return bool(RAY_FIXTURES & set(item.fixturenames)) or any(f in path for f in RAY_FILES)
+def test_file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test in a group: "ray", or its file (so that a file's module-scoped fixtures,
-    compiled runners among them, are built on one worker only)."""
-    for item in items:
-        group = "ray" if runs_ray(item) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    """A test that uses the session's Ray from a file not in RAY_FILES would start a second
+    Ray instance beside the first under xdist: refused, naming the file."""
+    stray = {test_file(i.nodeid) for i in items if RAY_FIXTURES & set(i.fixturenames)}
+    stray -= RAY_FILES
+    if stray:
+        raise pytest.UsageError(f"tests/conftest.py RAY_FILES lacks {sorted(stray)}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope, a scope being "ray" (RAY_FILES) or the test's file."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayFilesApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = test_file(nodeid)
+            return "ray" if path in RAY_FILES else path
+
+    return RayFilesApart(config, log)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
