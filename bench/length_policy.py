@@ -67,6 +67,7 @@ async def bench(args) -> dict:
             "acceptance_rate": round(t["accepted"] / max(1, t["drafted"]), 4),
             "core_rounds": timings[name]["rounds"],
             "drafted_rows": timings[name]["drafted_rows"],
+            "rounds_by_planned_k": dict(sorted(timings[name]["by_planned_k"].items())),
             **{key: t[key] for key in ("tokens", "rounds")},
             "wall_s": round(t["wall_s"], 2),
         }

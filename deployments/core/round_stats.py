@@ -4,7 +4,7 @@ and /health), and round outcomes held for the monitor. Both are filled from the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specdec.stats import RoundStats, RowOutcome
@@ -35,9 +35,11 @@ class RoundTimings:
     draft_timeouts: int = 0
     paused: int = 0  # rows the length policy took out of the draft (k = 0)
     resumed: int = 0  # ... and sent to it again in full (drafting resumed)
+    by_planned_k: dict[int, int] = field(default_factory=dict)  # k -> rounds planned at it
 
     def add(self, stats: RoundStats) -> None:
         self.rounds += 1
+        self.by_planned_k[stats.planned_k] = self.by_planned_k.get(stats.planned_k, 0) + 1
         self.rows += stats.batch_size
         self.drafted_rows += len(stats.drafted_rows)
         self.hits += sum(row.cache_hit for row in stats.rows)

@@ -9,6 +9,7 @@ from specdec.policy import (
     SpeculationLength,
     SpeculationWidth,
     WidthPolicyConfig,
+    _interpolate,
     batch_bucket,
 )
 from specdec.speedup import best_k, expected_tokens_per_round
@@ -400,6 +401,39 @@ def test_the_formula_is_scaled_by_what_rows_really_committed(report_rows):
     want = 1.6 if report_rows else expected_tokens_per_round(policy.alpha("d"), 4)
     assert policy.tokens_per_row(policy.alpha("d"), 16, 4) == pytest.approx(want, abs=0.02)
     assert (policy.predicted_k("d", 16) == 0) == report_rows
+
+
+class _ScaledDownOnly(SpeculationLength):
+    """The wrong twin: the measured ratio may only lower E (the policy before 2026-11-28)."""
+
+    def tokens_per_row(self, alpha, batch_size, k):
+        e = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k))
+        ratio = _interpolate(self._costs[batch_bucket(batch_size)].ratio, k)
+        return e if ratio is None else max(1.0, e * min(1.0, ratio))
+
+
+@pytest.mark.parametrize("policy_type", [SpeculationLength, _ScaledDownOnly])
+def test_rows_that_commit_more_than_the_formula_says_get_their_long_drafts(policy_type):
+    """A draft with a confidence stop proposes what it is sure of: asked for 12, rows get
+    6 drafts and commit 6.5 tokens, where E(α̂ = 0.7, 6) says 3.1 (α̂ counts the domain's
+    rounds, not the sure tokens). At 2x a plain round k = 12 commits 3.25 tokens per
+    plain round's time, against 1.85 at k = 4: the policy drafts long; the twin that
+    only ever scales E down sees 1.55 at k = 12 and stays short, leaving 1.75x behind."""
+    policy = policy_type(LengthPolicyConfig(max_k=12, default_k=12))
+    _feed(policy, "d", 0.7, 2000)
+    alpha = policy.alpha("d")
+    for _ in range(4):
+        policy.observe_round_time(1, 0, 1.0)
+        # k = 1 and 4: rows commit what E says (1.7 and 2.75 tokens)
+        policy.observe_round_time(1, 1, 1.2, [("d", 1, 1)] * 7 + [("d", 1, 0)] * 3)
+        policy.observe_round_time(1, 4, 1.5, [("d", 4, 2)] * 3 + [("d", 4, 1)])
+        policy.observe_round_time(1, 12, 2.0, [("d", 6, 6), ("d", 6, 5)])  # 6.5 a row
+    assert policy.tokens_per_row(alpha, 1, 12) <= 7.0  # never above drafts + 1
+    if policy_type is SpeculationLength:
+        assert policy.tokens_per_row(alpha, 1, 12) == pytest.approx(6.5)
+        assert policy.predicted_k("d", 1) >= 10
+    else:
+        assert policy.predicted_k("d", 1) <= 5
 
 
 def test_a_remeasurement_replaces_a_cold_start_estimate():
