@@ -172,13 +172,20 @@ def test_file(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+# Ray files whose tests run many processes of their own (a client's workers, Prometheus,
+# a second Serve app): last in the run, when the other worker has finished its files.
+RAY_FILES_LAST = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that uses the session's Ray from a file not in RAY_FILES would start a second
-    Ray instance beside the first under xdist: refused, naming the file."""
+    """RAY_FILES_LAST's tests moved to the end (in their order). A test that uses the
+    session's Ray from a file not in RAY_FILES would start a second Ray instance beside
+    the first under xdist: refused, naming the file."""
     stray = {test_file(i.nodeid) for i in items if RAY_FIXTURES & set(i.fixturenames)}
     stray -= RAY_FILES
     if stray:
         raise pytest.UsageError(f"tests/conftest.py RAY_FILES lacks {sorted(stray)}")
+    items.sort(key=lambda i: any(f in test_file(i.nodeid) for f in RAY_FILES_LAST))
 
 
 @pytest.hookimpl(optionalhook=True)
