@@ -204,11 +204,16 @@ class _Costs:
     # timed out gives fewer than k, and E(α, k) must count the drafts that were made.
     drafted: dict[int, float] = field(default_factory=dict)
     # k -> decayed ratio of the tokens those rows committed to what E(α̂ of each row's
-    # domain, the mean drafts) predicted. E is scaled by it both ways: below 1 where the
-    # formula is optimistic (rows stop at different lengths and E is concave in them), above
-    # 1 where it is pessimistic (a draft with a confidence stop proposes the tokens it is
-    # sure of, which the target accepts more often than the domain's α̂ says).
+    # domain, the mean drafts) predicted: below 1 where the formula is optimistic (rows
+    # stop at different lengths and E is concave in them). Pooled over domains, it only
+    # ever scales E down (a confident domain must not make a weak one draft long).
     ratio: dict[int, float] = field(default_factory=dict)
+    # domain -> k -> the same ratio of that domain's rows alone: it scales the domain's E
+    # either way, up where the formula is pessimistic (a draft with a confidence stop
+    # proposes the tokens it is sure of, which the target accepts more often than α̂ says).
+    domain_ratio: dict[str, dict[int, float]] = field(default_factory=dict)
+    # (what, k[, domain]) -> observations in that running mean since it was (re)started
+    samples: dict[tuple, int] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
     last: dict[int, int] = field(default_factory=dict)  # k -> round of its last measurement
     tries: dict[int, int] = field(default_factory=dict)  # k -> rounds forced to measure it
@@ -225,6 +230,28 @@ class _Costs:
     # Lengths being re-measured: their next observation replaces what was known (a decayed
     # mean would keep most of a stale or cold-start estimate after a few rounds).
     fresh: set[int] = field(default_factory=set)
+
+    def update(self, by_k: dict[int, float], key: tuple, k: int, value: float, decay: float):
+        """Fold ``value`` into ``by_k[k]``: the plain mean of the observations while they
+        are fewer than the decayed mean's memory, then the decayed mean (so the first
+        round after a (re)start is one of n, not most of the estimate)."""
+        n = self.samples.get(key, 0) if k in by_k else 0
+        w = min(decay, n / (n + 1))
+        by_k[k] = value if n == 0 else w * by_k[k] + (1 - w) * value
+        self.samples[key] = n + 1
+
+    def forget(self, k: int) -> None:
+        """Drop what is known at ``k`` (a re-measurement replaces it)."""
+        for by_k in (self.seconds, self.drafted, self.ratio, *self.domain_ratio.values()):
+            by_k.pop(k, None)
+
+    def forget_ratios(self, domain: str | None = None) -> None:
+        """Drop the ratios to E of ``domain`` (None: every ratio, pooled ones too)."""
+        if domain is None:
+            self.ratio.clear()
+            self.domain_ratio.clear()
+        else:
+            self.domain_ratio.pop(domain, None)
 
 
 @dataclass(frozen=True)
@@ -340,23 +367,27 @@ class SpeculationLength:
         for ``k`` drafts (None: every row got k, nothing more is known)."""
         if seconds <= 0 or not 0 <= k <= self.max_k:
             return
-        c = self._bucket(batch_size)
+        c, decay = self._bucket(batch_size), self.cost_decay
         if k in c.fresh:
             c.fresh.discard(k)
-            for by_k in (c.seconds, c.drafted, c.ratio):
-                by_k.pop(k, None)
-        c.seconds[k] = self._decayed(c.seconds.get(k), seconds)
+            c.forget(k)
+        c.update(c.seconds, ("seconds", k), k, seconds, decay)
         if k > 0:
             got = float(k) if not rows else sum(min(n, k) for _, n, _ in rows) / len(rows)
-            c.drafted[k] = self._decayed(c.drafted.get(k), got)
-            expected = committed = 0.0
+            c.update(c.drafted, ("drafted", k), k, got, decay)
+            sums: dict[str, list[float]] = {}  # domain -> [expected, committed] tokens
             for domain, _n, accepted in rows or ():
                 alpha = self.alpha(domain)
                 if alpha is not None:
-                    expected += expected_tokens_per_round(alpha, got)
-                    committed += accepted + 1
-            if expected > 0:
-                c.ratio[k] = self._decayed(c.ratio.get(k), committed / expected)
+                    pair = sums.setdefault(domain, [0.0, 0.0])
+                    pair[0] += expected_tokens_per_round(alpha, got)
+                    pair[1] += accepted + 1
+            if sums:
+                expected, committed = map(sum, zip(*sums.values(), strict=True))
+                c.update(c.ratio, ("ratio", k), k, committed / expected, decay)
+            for domain, (expected, committed) in sums.items():
+                by_k = c.domain_ratio.setdefault(domain, {})
+                c.update(by_k, ("ratio", k, domain), k, committed / expected, decay)
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
 
@@ -367,22 +398,24 @@ class SpeculationLength:
             c = self._costs[batch_bucket(batch_size)] = _Costs(remeasure_every=self.remeasure_every)
         return c
 
-    def _decayed(self, old: float | None, new: float) -> float:
-        return new if old is None else self.cost_decay * old + (1 - self.cost_decay) * new
-
     def on_drift(self, domain: str, current_alpha: float, weight: float | None = None) -> None:
         """A drift alert: forget the domain's history in favour of the recent estimate."""
         d = self._domains.setdefault(domain, _Domain())
         w = self.min_tokens if weight is None else weight
         d.accepted, d.rejections = current_alpha * w, (1.0 - current_alpha) * w
         d.probe_until = 0
+        for c in self._costs.values():  # measured against the α̂ just replaced
+            c.forget_ratios(domain)
 
     def new_draft(self) -> None:
         """New draft weights serve: every domain's acceptance is unknown again (each
         drafts at ``default_k`` until its α̂ is measured anew, so a domain the old draft
         lost speculation on gets it back where the new one pays), and the gate measures
-        drafting's goodput afresh. Round costs stay: the draft's shape did not change."""
+        drafting's goodput afresh. Round costs stay: the draft's shape did not change; the
+        ratios to E go (how sure the draft is where it stops belongs to its weights)."""
         self._domains.clear()
+        for c in self._costs.values():
+            c.forget_ratios()
         if self.gate is not None:
             self.gate.new_draft()
 
@@ -481,18 +514,27 @@ class SpeculationLength:
         got = None if c is None or k == 0 else _interpolate(c.drafted, k)
         return float(k) if got is None else min(float(k), got)
 
-    def tokens_per_row(self, alpha: float, batch_size: int, k: int) -> float:
-        """Tokens a row commits per round at k: ``E(α, drafts it gets)``, scaled by how
-        far the bucket's rows at k fell short of that prediction or beat it (measured),
-        within [1, drafts + 1]: a round commits one token at least and every draft at most.
+    def tokens_per_row(
+        self, alpha: float, batch_size: int, k: int, domain: str | None = None
+    ) -> float:
+        """Tokens a row of ``domain`` commits per round at k: ``E(α, drafts it gets)``,
+        scaled by how far that domain's rows at k fell short of that prediction or beat it
+        (measured), else scaled down by the bucket's rows'; within [1, drafts + 1]: a round
+        commits one token at least and every draft at most.
 
         Scaling up is safe where scaling down is not: a k whose estimate is too high is
         chosen and so measured every round until the estimate is right, while a k whose
-        estimate is too low waits for its next re-measurement."""
+        estimate is too low waits for its next re-measurement. Only the domain's own rows
+        can show it (another domain's would not be corrected by its rounds)."""
         drafts = self.drafts_per_row(batch_size, k)
         e = expected_tokens_per_round(alpha, drafts)
         c = self._costs.get(batch_bucket(batch_size))
-        ratio = None if c is None else _interpolate(c.ratio, k)
+        if c is None:
+            return e
+        ratio = _interpolate(c.domain_ratio.get(domain, {}), k) if domain is not None else None
+        if ratio is None:
+            pooled = _interpolate(c.ratio, k)
+            ratio = None if pooled is None else min(1.0, pooled)
         return e if ratio is None else min(drafts + 1.0, max(1.0, e * ratio))
 
     def predicted_k(self, domain: str, batch_size: int) -> int:
@@ -504,12 +546,12 @@ class SpeculationLength:
         best, best_rate = 0, (1.0 + self.min_gain) / t0  # speculation must clearly pay
         for k in range(1, self.max_k + 1):
             t = self.round_time(batch_size, k)
-            tokens = self.tokens_per_row(alpha, batch_size, k)
+            tokens = self.tokens_per_row(alpha, batch_size, k, domain)
             # A k whose rounds would not commit min_gain more tokens than plain decoding
             # never pays, whatever its measured time: a k > 0 measured faster than k = 0
             # (cold first rounds at k = 0, a busy host) must not bring drafting back at
             # an acceptance near 0, e.g. after a drift alert said 0.
-            if t is None or tokens < 1.0 + self.min_gain:
+            if t is None or not self._commits_enough(alpha, batch_size, k, tokens):
                 continue
             rate = tokens / t
             if rate > best_rate:
@@ -518,6 +560,13 @@ class SpeculationLength:
             c = self._costs[batch_bucket(batch_size)]
             c.chose_k, c.remeasure_every = True, self.remeasure_every
         return best
+
+    def _commits_enough(self, alpha: float, batch_size: int, k: int, tokens: float) -> bool:
+        """Whether rows at k commit ``min_gain`` more tokens than plain decoding: both by the
+        formula and by its measured scaling (``tokens``), so that a ratio measured against
+        an older α̂ cannot bring drafting back at α̂ = 0."""
+        formula = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k))
+        return min(tokens, formula) >= 1.0 + self.min_gain
 
     def choose(
         self,

@@ -404,12 +404,59 @@ def test_the_formula_is_scaled_by_what_rows_really_committed(report_rows):
 
 
 class _ScaledDownOnly(SpeculationLength):
-    """The wrong twin: the measured ratio may only lower E (the policy before 2026-11-28)."""
+    """Wrong twin: measured ratios only ever lower E (the policy before 2026-11-28)."""
 
-    def tokens_per_row(self, alpha, batch_size, k):
+    def tokens_per_row(self, alpha, batch_size, k, domain=None):
         e = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k))
         ratio = _interpolate(self._costs[batch_bucket(batch_size)].ratio, k)
         return e if ratio is None else max(1.0, e * min(1.0, ratio))
+
+
+class _PooledBothWays(SpeculationLength):
+    """Wrong twin: the bucket's ratio, pooled over domains, scales every domain's E up."""
+
+    def tokens_per_row(self, alpha, batch_size, k, domain=None):
+        drafts = self.drafts_per_row(batch_size, k)
+        e = expected_tokens_per_round(alpha, drafts)
+        ratio = _interpolate(self._costs[batch_bucket(batch_size)].ratio, k)
+        return e if ratio is None else min(drafts + 1.0, max(1.0, e * ratio))
+
+
+class _Unbounded(SpeculationLength):
+    """Wrong twin: a domain's ratio scales E up without the drafts + 1 bound."""
+
+    def tokens_per_row(self, alpha, batch_size, k, domain=None):
+        e = expected_tokens_per_round(alpha, self.drafts_per_row(batch_size, k))
+        by_k = self._costs[batch_bucket(batch_size)].domain_ratio.get(domain, {})
+        ratio = _interpolate(by_k, k)
+        return e if ratio is None else max(1.0, e * ratio)
+
+
+class _RatioTrustedAfterAlert(SpeculationLength):
+    """Wrong twin: keeps a domain's ratios through a drift alert and checks min_gain on
+    the scaled tokens alone."""
+
+    def on_drift(self, domain, current_alpha, weight=None):
+        kept = {b: dict(c.domain_ratio) for b, c in self._costs.items()}
+        super().on_drift(domain, current_alpha, weight)
+        for b, ratios in kept.items():
+            self._costs[b].domain_ratio = ratios
+
+    def _commits_enough(self, alpha, batch_size, k, tokens):
+        return tokens >= 1.0 + self.min_gain
+
+
+def _sure_draft_rounds(policy, batch_size=1, domain="d", t12=2.0):
+    """Rounds of a draft with a confidence stop, as the engine reports them: k = 1 and 4
+    commit what E(0.7, drafts) says (1.7 and 2.75 tokens a row); asked for 12, rows get
+    6 drafts and commit 6.5 tokens, where E(0.7, 6) says 3.06. Times: 1.0 (k = 0), 1.2,
+    1.5 and ``t12``."""
+    for _ in range(4):
+        policy.observe_round_time(batch_size, 0, 1.0)
+        rows_1 = [(domain, 1, 1)] * 7 + [(domain, 1, 0)] * 3
+        policy.observe_round_time(batch_size, 1, 1.2, rows_1)
+        policy.observe_round_time(batch_size, 4, 1.5, [(domain, 4, 2)] * 3 + [(domain, 4, 1)])
+        policy.observe_round_time(batch_size, 12, t12, [(domain, 6, 6), (domain, 6, 5)])
 
 
 @pytest.mark.parametrize("policy_type", [SpeculationLength, _ScaledDownOnly])
@@ -421,19 +468,78 @@ def test_rows_that_commit_more_than_the_formula_says_get_their_long_drafts(polic
     only ever scales E down sees 1.55 at k = 12 and stays short, leaving 1.75x behind."""
     policy = policy_type(LengthPolicyConfig(max_k=12, default_k=12))
     _feed(policy, "d", 0.7, 2000)
-    alpha = policy.alpha("d")
-    for _ in range(4):
-        policy.observe_round_time(1, 0, 1.0)
-        # k = 1 and 4: rows commit what E says (1.7 and 2.75 tokens)
-        policy.observe_round_time(1, 1, 1.2, [("d", 1, 1)] * 7 + [("d", 1, 0)] * 3)
-        policy.observe_round_time(1, 4, 1.5, [("d", 4, 2)] * 3 + [("d", 4, 1)])
-        policy.observe_round_time(1, 12, 2.0, [("d", 6, 6), ("d", 6, 5)])  # 6.5 a row
-    assert policy.tokens_per_row(alpha, 1, 12) <= 7.0  # never above drafts + 1
+    _sure_draft_rounds(policy)
     if policy_type is SpeculationLength:
-        assert policy.tokens_per_row(alpha, 1, 12) == pytest.approx(6.5)
+        assert policy.tokens_per_row(policy.alpha("d"), 1, 12, "d") == pytest.approx(6.5)
         assert policy.predicted_k("d", 1) >= 10
     else:
         assert policy.predicted_k("d", 1) <= 5
+
+
+@pytest.mark.parametrize("policy_type", [SpeculationLength, _Unbounded])
+def test_a_scaled_estimate_never_exceeds_every_draft_accepted(policy_type):
+    """The ratio was measured at α̂ = 0.7 (2.1x); α̂ then rises to ~0.9, where E(α̂, 6)
+    alone is 5.2 tokens: scaled by 2.1 that would be 11 tokens from 6 drafts. The
+    estimate stops at 7 (every draft and the bonus); the twin without the bound does not."""
+    policy = policy_type(LengthPolicyConfig(max_k=12, default_k=12))
+    _feed(policy, "d", 0.7, 2000)
+    _sure_draft_rounds(policy)
+    _feed(policy, "d", 0.9, 2000, seed=1)
+    tokens = policy.tokens_per_row(policy.alpha("d"), 1, 12, "d")
+    assert (tokens == pytest.approx(7.0)) == (policy_type is SpeculationLength), tokens
+
+
+@pytest.mark.parametrize("policy_type", [SpeculationLength, _PooledBothWays])
+def test_one_domains_sure_drafts_do_not_make_another_draft_long(policy_type):
+    """ "code" rows commit 2.1x what E says at k = 12; "prose" (α̂ = 0.1, never drafted in
+    these rounds) gets no such evidence: E(0.1, 6) = 1.11 tokens for 2x a plain round's
+    time keeps it at k = 0. The twin scales prose's E by code's ratio (2.35 tokens) and
+    drafts it long: 0.59x its goodput at k = 0."""
+    policy = policy_type(LengthPolicyConfig(max_k=12, default_k=12))
+    _feed(policy, "code", 0.7, 2000)
+    _feed(policy, "prose", 0.1, 2000, seed=1)
+    _sure_draft_rounds(policy, domain="code")
+    assert policy.predicted_k("code", 1) >= 10
+    assert (policy.predicted_k("prose", 1) == 0) == (policy_type is SpeculationLength)
+
+
+@pytest.mark.parametrize("policy_type", [SpeculationLength, _RatioTrustedAfterAlert])
+def test_a_measured_ratio_does_not_outlive_a_drift_alert_to_zero(policy_type):
+    """Measured when acceptance was good, the ratio at k = 12 is 2.1 (its rounds 1.5x a
+    plain one); an alert then says α̂ = 0: every round commits one token whatever k is,
+    and k = 0 must win. The twin that keeps the ratio and checks min_gain on the scaled
+    tokens alone drafts on (2.1 tokens for 1.5x the time: 1.4x, it believes)."""
+    policy = policy_type(LengthPolicyConfig(max_k=12, default_k=12, gate=None))
+    _feed(policy, "d", 0.7, 2000)
+    _sure_draft_rounds(policy, t12=1.5)
+    policy.on_drift("d", current_alpha=0.0)
+    assert (policy.choose("d", 1) == 0) == (policy_type is SpeculationLength)
+
+
+def test_a_new_draft_starts_without_the_old_drafts_ratios():
+    """How sure the draft is where it stops belongs to its weights: new weights start
+    from E alone (round times stay: the draft's shape did not change)."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=12, default_k=12))
+    _feed(policy, "d", 0.7, 2000)
+    _sure_draft_rounds(policy)
+    policy.new_draft()
+    e = expected_tokens_per_round(0.7, policy.drafts_per_row(1, 12))
+    assert policy.tokens_per_row(0.7, 1, 12, "d") == pytest.approx(e)
+    assert policy.round_time(1, 12) == pytest.approx(2.0)
+
+
+def test_a_remeasurement_is_the_mean_of_its_rounds():
+    """With ~20 rounds of memory, a decayed mean restarted by a re-measurement would be
+    mostly its first round (the one after a change of k, often unrepresentative): until
+    its memory fills, the estimate is the plain mean of the rounds since the restart."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4))
+    for seconds in (10.0, 2.0, 2.0, 2.0):
+        policy.observe_round_time(1, 4, seconds)
+    assert policy.round_time(1, 4) == pytest.approx(4.0)
+    policy._costs[1].fresh.add(4)  # what a re-measurement does
+    for seconds in (3.0, 1.0):
+        policy.observe_round_time(1, 4, seconds)
+    assert policy.round_time(1, 4) == pytest.approx(2.0)
 
 
 def test_a_remeasurement_replaces_a_cold_start_estimate():
