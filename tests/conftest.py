@@ -173,24 +173,35 @@ def test_file(nodeid: str) -> str:
 
 
 # Ray files whose tests run many processes of their own (a client's workers, Prometheus,
-# a second Serve app): last in the run, when the other worker has finished its files.
-RAY_FILES_LAST = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.py")
+# a second Serve app): late in the run, when the other worker has finished its files.
+RAY_FILES_LATE = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.py")
+
+
+def run_order(item) -> int:
+    """0: first; 1: RAY_FILES_LATE; 2: the tests of the two-node cluster, last of all (it
+    is session-scoped: once started it runs beside every later test)."""
+    if "two_node_cluster" in item.fixturenames:
+        return 2
+    return int(any(f in test_file(item.nodeid) for f in RAY_FILES_LATE))
 
 
 def pytest_collection_modifyitems(config, items):
-    """RAY_FILES_LAST's tests moved to the end (in their order). A test that uses the
+    """Tests in :func:`run_order` (stable: each file's order kept). A test that uses the
     session's Ray from a file not in RAY_FILES would start a second Ray instance beside
     the first under xdist: refused, naming the file."""
     stray = {test_file(i.nodeid) for i in items if RAY_FIXTURES & set(i.fixturenames)}
     stray -= RAY_FILES
     if stray:
         raise pytest.UsageError(f"tests/conftest.py RAY_FILES lacks {sorted(stray)}")
-    items.sort(key=lambda i: any(f in test_file(i.nodeid) for f in RAY_FILES_LAST))
+    items.sort(key=run_order)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, a scope being "ray" (RAY_FILES) or the test's file."""
+    """xdist's scheduling by scope, a scope being "ray" (RAY_FILES) or the test's file;
+    for ``--dist load`` (what ``-n`` alone means) only: another ``--dist`` is kept."""
+    if config.getvalue("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class RayFilesApart(LoadScopeScheduling):
@@ -201,10 +212,11 @@ def pytest_xdist_make_scheduler(config, log):
     return RayFilesApart(config, log)
 
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers on two cores: one intra-op thread each, instead of two threads per
-    # process spinning against each other and against the Ray worker's actors.
-    torch.set_num_threads(1)
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker (not the processes it starts)
+        # Two workers on two cores: one intra-op thread each, instead of two threads per
+        # process spinning against each other and against the Ray worker's actors.
+        torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
