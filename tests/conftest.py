@@ -141,11 +141,16 @@ def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
 
 
 # `make test` runs the suite on two pytest-xdist workers (`-n 2`): the files whose tests
-# run a Ray cluster (the session's own, or one they start) all go to one worker, in order,
-# so that one Ray instance at a time shares the machine's cores and memory; every other file
-# (models in process: specdec, policies, detectors) goes whole to the first worker free, so
-# that its module-scoped fixtures (compiled runners among them) are built once.
-RAY_FIXTURES = frozenset({"ray_local", "serve_http", "two_node_cluster"})
+# run on the session's Ray instance (or start one of their own) all go to one worker, in
+# order, so that one such instance at a time shares the machine's cores and memory; the
+# files of the two-node cluster (a Ray cluster apart) go together to one worker; every other
+# file (models in process: specdec, policies, detectors) goes whole to the first worker
+# free, so that its module-scoped fixtures (compiled runners among them) are built once.
+RAY_FIXTURES = frozenset({"ray_local", "serve_http"})
+TWO_NODE_FILES = frozenset(
+    "tests/deployments/" + name
+    for name in ("test_deploy_shapes.py", "test_serve_deploy.py", "test_two_node.py")
+)
 RAY_FILES = frozenset(
     "tests/" + name
     for name in (
@@ -155,14 +160,11 @@ RAY_FILES = frozenset(
         "clients/test_lm_eval.py",
         "clients/test_vllm_bench_replay.py",
         "deployments/test_channel.py",
-        "deployments/test_deploy_shapes.py",
         "deployments/test_engine.py",
         "deployments/test_engine_law.py",
         "deployments/test_families_http.py",
         "deployments/test_http.py",
-        "deployments/test_serve_deploy.py",
         "deployments/test_serve_engine.py",
-        "deployments/test_two_node.py",
         "monitoring/test_drift_e2e.py",  # Prometheus and Alertmanager against a server
     )
 )
@@ -179,26 +181,32 @@ RAY_FILES_LATE = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.
 
 def run_order(item) -> int:
     """0: first; 1: RAY_FILES_LATE; 2: the tests of the two-node cluster, last of all (it
-    is session-scoped: once started it runs beside every later test)."""
+    is session-scoped: once started it runs beside every later test of its worker)."""
     if "two_node_cluster" in item.fixturenames:
         return 2
     return int(any(f in test_file(item.nodeid) for f in RAY_FILES_LATE))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests in :func:`run_order` (stable: each file's order kept). A test that uses the
-    session's Ray from a file not in RAY_FILES would start a second Ray instance beside
-    the first under xdist: refused, naming the file."""
-    stray = {test_file(i.nodeid) for i in items if RAY_FIXTURES & set(i.fixturenames)}
-    stray -= RAY_FILES
+    """Tests in :func:`run_order` (stable: each file's order kept). A test of the session's
+    Ray or of the two-node cluster from a file not listed for it would start a second
+    instance beside the first under xdist: refused, naming the file."""
+    stray = {
+        test_file(i.nodeid)
+        for i in items
+        if (RAY_FIXTURES & set(i.fixturenames) and test_file(i.nodeid) not in RAY_FILES)
+        or ("two_node_cluster" in i.fixturenames and test_file(i.nodeid) not in TWO_NODE_FILES)
+    }
     if stray:
-        raise pytest.UsageError(f"tests/conftest.py RAY_FILES lacks {sorted(stray)}")
+        lists = "tests/conftest.py RAY_FILES / TWO_NODE_FILES"
+        raise pytest.UsageError(f"{lists} lack {sorted(stray)}")
     items.sort(key=run_order)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, a scope being "ray" (RAY_FILES) or the test's file;
+    """xdist's scheduling by scope, a scope being "ray" (RAY_FILES), "two-node"
+    (TWO_NODE_FILES) or the test's file;
     for ``--dist load`` (what ``-n`` alone means) only: another ``--dist`` is kept."""
     if config.getvalue("dist") != "load":
         return None
@@ -207,6 +215,8 @@ def pytest_xdist_make_scheduler(config, log):
     class RayFilesApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = test_file(nodeid)
+            if path in TWO_NODE_FILES:
+                return "two-node"
             return "ray" if path in RAY_FILES else path
 
     return RayFilesApart(config, log)
