@@ -170,8 +170,16 @@ RAY_FILES = frozenset(
 )
 
 
-def test_file(nodeid: str) -> str:
+def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+def scope_of(path: str) -> str:
+    """The xdist scope of a test file: "ray" (RAY_FILES), "two-node" (TWO_NODE_FILES) or
+    the file itself."""
+    if path in TWO_NODE_FILES:
+        return "two-node"
+    return "ray" if path in RAY_FILES else path
 
 
 # Ray files whose tests run many processes of their own (a client's workers, Prometheus,
@@ -184,19 +192,20 @@ def run_order(item) -> int:
     is session-scoped: once started it runs beside every later test of its worker)."""
     if "two_node_cluster" in item.fixturenames:
         return 2
-    return int(any(f in test_file(item.nodeid) for f in RAY_FILES_LATE))
+    return int(any(f in file_of(item.nodeid) for f in RAY_FILES_LATE))
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests in :func:`run_order` (stable: each file's order kept). A test of the session's
     Ray or of the two-node cluster from a file not listed for it would start a second
     instance beside the first under xdist: refused, naming the file."""
-    stray = {
-        test_file(i.nodeid)
-        for i in items
-        if (RAY_FIXTURES & set(i.fixturenames) and test_file(i.nodeid) not in RAY_FILES)
-        or ("two_node_cluster" in i.fixturenames and test_file(i.nodeid) not in TWO_NODE_FILES)
-    }
+    stray = set()
+    for item in items:
+        scope = scope_of(file_of(item.nodeid))
+        if (RAY_FIXTURES & set(item.fixturenames) and scope != "ray") or (
+            "two_node_cluster" in item.fixturenames and scope != "two-node"
+        ):
+            stray.add(file_of(item.nodeid))
     if stray:
         lists = "tests/conftest.py RAY_FILES / TWO_NODE_FILES"
         raise pytest.UsageError(f"{lists} lack {sorted(stray)}")
@@ -205,19 +214,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, a scope being "ray" (RAY_FILES), "two-node"
-    (TWO_NODE_FILES) or the test's file;
-    for ``--dist load`` (what ``-n`` alone means) only: another ``--dist`` is kept."""
+    """xdist's scheduling by :func:`scope_of` each test's file, for ``--dist load`` (what
+    ``-n`` alone means) only: another ``--dist`` is kept."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class RayFilesApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = test_file(nodeid)
-            if path in TWO_NODE_FILES:
-                return "two-node"
-            return "ray" if path in RAY_FILES else path
+            return scope_of(file_of(nodeid))
 
     return RayFilesApart(config, log)
 
