@@ -68,6 +68,7 @@ async def bench(args) -> dict:
             "core_rounds": timings[name]["rounds"],
             "drafted_rows": timings[name]["drafted_rows"],
             "rounds_by_planned_k": dict(sorted(timings[name]["by_planned_k"].items())),
+            "by_planned_k": by_planned_k(timings[name]),
             **{key: t[key] for key in ("tokens", "rounds")},
             "wall_s": round(t["wall_s"], 2),
         }
@@ -77,6 +78,21 @@ async def bench(args) -> dict:
         results["variant"]["tokens_per_s"] / results["shipped"]["tokens_per_s"], 3
     )
     return results
+
+
+def by_planned_k(t: dict) -> dict[int, dict[str, float]]:
+    """Per planned k: rounds, tokens a round, ms a round (critical path) and the goodput
+    those rounds gave [tokens/s]: what each choice of the policy really paid."""
+    out = {}
+    for k, rounds in sorted(t["by_planned_k"].items()):
+        tokens, seconds = t["tokens_by_planned_k"][k], t["seconds_by_planned_k"][k]
+        out[k] = {
+            "rounds": rounds,
+            "tokens_per_round": round(tokens / rounds, 3),
+            "ms_per_round": round(seconds / rounds * 1e3, 3),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+        }
+    return out
 
 
 def plot(results: dict, path: Path, variant: str) -> None:

@@ -36,10 +36,17 @@ class RoundTimings:
     paused: int = 0  # rows the length policy took out of the draft (k = 0)
     resumed: int = 0  # ... and sent to it again in full (drafting resumed)
     by_planned_k: dict[int, int] = field(default_factory=dict)  # k -> rounds planned at it
+    # k -> tokens committed and critical-path seconds (total_s) of those rounds: the
+    # goodput each k really gave, against which the length policy's predictions are read
+    tokens_by_planned_k: dict[int, int] = field(default_factory=dict)
+    seconds_by_planned_k: dict[int, float] = field(default_factory=dict)
 
     def add(self, stats: RoundStats) -> None:
         self.rounds += 1
-        self.by_planned_k[stats.planned_k] = self.by_planned_k.get(stats.planned_k, 0) + 1
+        k = stats.planned_k
+        self.by_planned_k[k] = self.by_planned_k.get(k, 0) + 1
+        self.tokens_by_planned_k[k] = self.tokens_by_planned_k.get(k, 0) + stats.committed
+        self.seconds_by_planned_k[k] = self.seconds_by_planned_k.get(k, 0.0) + stats.total_s
         self.rows += stats.batch_size
         self.drafted_rows += len(stats.drafted_rows)
         self.hits += sum(row.cache_hit for row in stats.rows)
