@@ -212,6 +212,17 @@ class _Costs:
     # either way, up where the formula is pessimistic (a draft with a confidence stop
     # proposes the tokens it is sure of, which the target accepts more often than α̂ says).
     domain_ratio: dict[str, dict[int, float]] = field(default_factory=dict)
+    # domain -> [draft position m] -> decayed counts of rows that reached position m (their
+    # first m - 1 drafts accepted, the round asked for m or more) and of those whose m-th
+    # draft was made and accepted: the chance a row gets past each position, whatever k
+    # it asked for, from every round (a row capped at k says nothing of positions past
+    # k: a Kaplan-Meier estimate, censored there). A row commits 1 + sum over m <= k of
+    # the chance of getting past 1..m at k (``SpeculationLength.tokens_per_row``). Per-k
+    # means of E x ratio, each from its own few rounds, chose short k on noise
+    # (bench.length_policy at batch 1: k = 3 in 152 rounds that gave 406 tokens/s, while
+    # k = 11-12 gave 570-588).
+    reached: dict[str, list[float]] = field(default_factory=dict)
+    passed: dict[str, list[float]] = field(default_factory=dict)
     # (what, k[, domain]) -> observations in that running mean since it was (re)started
     samples: dict[tuple, int] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)  # k -> rounds measured
@@ -241,7 +252,8 @@ class _Costs:
         self.samples[key] = n + 1
 
     def forget(self, k: int) -> None:
-        """Drop what is known at ``k`` (a re-measurement replaces it)."""
+        """Drop what is known at ``k`` (a re-measurement replaces it; the survival counts
+        stay: every round keeps those of the positions it reached current)."""
         for by_k in (self.seconds, self.drafted, self.ratio, *self.domain_ratio.values()):
             by_k.pop(k, None)
 
@@ -250,8 +262,12 @@ class _Costs:
         if domain is None:
             self.ratio.clear()
             self.domain_ratio.clear()
+            self.reached.clear()
+            self.passed.clear()
         else:
             self.domain_ratio.pop(domain, None)
+            self.reached.pop(domain, None)
+            self.passed.pop(domain, None)
 
 
 @dataclass(frozen=True)
@@ -388,8 +404,47 @@ class SpeculationLength:
             for domain, (expected, committed) in sums.items():
                 by_k = c.domain_ratio.setdefault(domain, {})
                 c.update(by_k, ("ratio", k, domain), k, committed / expected, decay)
+            self._observe_positions(c, k, rows or ())
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
+
+    def _observe_positions(self, c: _Costs, k: int, rows: Sequence[tuple[str, int, int]]) -> None:
+        """Fold the draft positions each domain's rows asked for ``k`` reached and got past
+        into ``c.reached`` / ``c.passed`` (see there): one observation per domain and round."""
+        by_domain: dict[str, list[int]] = {}
+        for domain, _n, a in rows:
+            by_domain.setdefault(domain, []).append(a)
+        d = self.cost_decay
+        for domain, accepted in by_domain.items():
+            reached = c.reached.setdefault(domain, [])
+            passed = c.passed.setdefault(domain, [])
+            while len(reached) < k:
+                reached.append(0.0)
+                passed.append(0.0)
+            for m in range(1, k + 1):  # position m: rows with a >= m - 1 reached it
+                got_to = sum(a >= m - 1 for a in accepted)
+                if got_to:
+                    reached[m - 1] = d * reached[m - 1] + got_to
+                    passed[m - 1] = d * passed[m - 1] + sum(a >= m for a in accepted)
+
+    def survival_tokens(self, batch_size: int, k: int, domain: str) -> float | None:
+        """Tokens a row of ``domain`` commits per round at k from the positions its rows
+        got past (``_Costs.reached``): ``1 + sum over m <= k of P(past 1..m)``; None
+        while the first position has too few rows, or one up to k that rows may get to
+        has never been reached (k longer than any row was asked for)."""
+        c = self._costs.get(batch_bucket(batch_size))
+        reached = [] if c is None else c.reached.get(domain, [])
+        if len(reached) < k or reached[0] < self.explore_rounds:
+            return None
+        passed, tokens, past = c.passed[domain], 1.0, 1.0
+        for m in range(k):
+            if past <= 0:  # no row got this far: none gets further
+                break
+            if reached[m] <= 0:
+                return None
+            past *= passed[m] / reached[m]
+            tokens += past
+        return tokens
 
     def _bucket(self, batch_size: int) -> _Costs:
         """The cost bookkeeping of ``batch_size``'s bucket, created on first use."""
@@ -531,6 +586,9 @@ class SpeculationLength:
         c = self._costs.get(batch_bucket(batch_size))
         if c is None:
             return e
+        direct = None if domain is None else self.survival_tokens(batch_size, k, domain)
+        if direct is not None:
+            return direct
         ratio = _interpolate(c.domain_ratio.get(domain, {}), k) if domain is not None else None
         if ratio is None:
             pooled = _interpolate(c.ratio, k)
