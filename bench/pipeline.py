@@ -230,10 +230,16 @@ async def bench_shipped(args) -> dict:
                 for key in totals[shape]:
                     totals[shape][key] += r[key]
         timings = {shape: await engine.round_timings() for shape, engine in engines.items()}
+        draft = await engines["actor"].draft.stats.remote()
     finally:
         for engine in engines.values():
             await engine.shutdown()
     results = {shape: _shape_result(totals[shape], timings[shape]) for shape in engines}
+    # The actor draft's speculation while verifying, since it started (warm-up included):
+    # branches prepared, hits, and the width policy's measured goodput with and without.
+    results["actor"]["draft"] = {
+        key: draft[key] for key in ("speculated", "hits", "misses", "width", "goodput")
+    }
     results["actor_vs_colocated"] = round(
         results["actor"]["tokens_per_s"] / results["colocated"]["tokens_per_s"], 3
     )

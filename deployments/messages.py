@@ -173,6 +173,11 @@ class RoundFeedback(msgspec.Struct, frozen=True, array_like=True):
     verify_s: float | None  # decayed mean of the target's verification time [s]
     round_s: float | None  # the round's wall time [s]; None: not a round (an admission)
     committed_tokens: int  # tokens the round committed, over all rows [tokens]
+    # Whether the round's goodput may judge speculating while verifying: False for a cost
+    # measurement at a k the length policy forced (k = 0 or 1 for a few rounds), a round
+    # at k = 0, or one whose rows resumed drafting (their draft prefilled first). Counted,
+    # such rounds are charged to whichever width choice is being measured then.
+    representative: bool = True
 
 
 class DraftRoundMessage(msgspec.Struct, frozen=True, array_like=True):

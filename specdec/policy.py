@@ -40,13 +40,13 @@ class _Bucket:
     rounds: int = 0  # rounds observed
     rates: dict[bool, float] = field(default_factory=dict)  # speculating? -> tokens/s
     choice: bool | None = None  # the choice of the rounds now running
-    measuring: bool = False  # the current choice runs for a measurement of fixed length
-    left: int = 0  # rounds of the measurement still to observe
-    next_compare: int = 0  # round at which the choice not taken is measured again
+    measuring: bool = False  # both choices run in turns, block by block
+    block_left: int = 0  # rounds of the current block still to observe
+    next_compare: int = 0  # round at which both choices are measured again
     skip: bool = False  # the next observed round is the first under a new choice
-    tokens: float = 0.0  # decayed sums over the current choice's rounds
-    seconds: float = 0.0
-    counted: int = 0  # rounds in those sums
+    starts: bool = True  # the choice the next measurement starts with (they alternate)
+    # speculating? -> [tokens, seconds, rounds] of the measurement under way
+    sums: dict[bool, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,22 @@ class WidthPolicyConfig:
     probe_every: int = 32  # while paused, speculate once every this many rounds
     slack: float = 0.6  # grow only if speculation took under this share of verification
     decay: float = 0.9  # per observed round, of the hit rate's moving average
-    compare_every: int = 256  # rounds between re-measurements of the choice not taken
-    compare_rounds: int = 6  # rounds one measurement lasts (the first is not counted)
-    goodput_decay: float = 0.97  # per round, for the choice that keeps running
+    compare_every: int = 256  # rounds between two measurements of both choices
+    # Rounds counted per choice in one measurement. At batch 1 a round commits 1 to k + 1
+    # tokens: 5 rounds of one choice, then 5 of the other, decided the next 256 rounds on
+    # noise and on what the minutes they ran in were like (the first after startup slow).
+    compare_rounds: int = 12
+    block: int = 4  # rounds per turn of a measurement (its first is not counted)
 
 
 class SpeculationWidth:
     """Branches per sequence to prepare next round (additive increase, cut on overrun),
-    or none where measured goodput says speculating during verification does not pay."""
+    or none where measured goodput says speculating during verification does not pay.
+
+    Goodput with and without speculating is measured in turns of ``block`` rounds (the
+    first of each turn not counted: its drafts were prepared under the other choice)
+    until each has ``compare_rounds`` rounds, so that both see the same minutes, text
+    and load; the better runs until the next measurement ``compare_every`` rounds on."""
 
     def __init__(self, config: WidthPolicyConfig):
         self.config = config
@@ -74,7 +82,7 @@ class SpeculationWidth:
         self.min_hit_rate, self.probe_every = config.min_hit_rate, config.probe_every
         self.slack, self.decay = config.slack, config.decay
         self.compare_every, self.compare_rounds = config.compare_every, config.compare_rounds
-        self.goodput_decay = config.goodput_decay
+        self.block = max(2, config.block)
         self.width = config.max_width  # branches per sequence now
         self.hit_rate = 0.5  # moving average of the share of drafted rows served by a branch
         self._paused_rounds = 0
@@ -104,52 +112,52 @@ class SpeculationWidth:
         return self.width * num_seqs
 
     def should_speculate(self, num_seqs: int) -> bool:
-        """Measure both choices first, then take the better one, now and then measuring
-        the other again (conditions change: load, batch mix, a new draft)."""
+        """Measure both choices in turns, then take the better one until the next
+        measurement (conditions change: load, batch mix, a new draft)."""
         b = self._buckets.setdefault(batch_bucket(num_seqs), _Bucket())
         self._last = b
-        if not b.measuring:
-            missing = [c for c in (True, False) if c not in b.rates]
-            if missing:
-                self._switch(b, missing[0], measure=True)
+        if not b.measuring and (not b.rates or b.rounds >= b.next_compare):
+            b.measuring, b.sums = True, {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}
+            self._switch(b, b.starts)
+            b.starts = not b.starts
+        elif b.measuring and b.block_left <= 0:
+            if min(n for _, _, n in b.sums.values()) >= self.compare_rounds:
+                b.rates = {c: t / s for c, (t, s, _) in b.sums.items() if s > 0}
+                b.measuring = False
                 b.next_compare = b.rounds + self.compare_every
+                self._switch(b, b.rates.get(True, 0.0) >= b.rates.get(False, 0.0))
             else:
-                best = b.rates[True] >= b.rates[False]
-                if b.rounds >= b.next_compare:
-                    self._switch(b, not best, measure=True)
-                    b.next_compare = b.rounds + self.compare_every
-                elif b.choice != best:
-                    self._switch(b, best, measure=False)
+                self._switch(b, not b.choice)
         return bool(b.choice)
 
-    def _switch(self, b: _Bucket, choice: bool, measure: bool) -> None:
-        b.measuring, b.left = measure, self.compare_rounds
+    def _switch(self, b: _Bucket, choice: bool) -> None:
+        b.block_left = self.block
         if b.choice != choice:
             b.choice, b.skip = choice, True
-            b.tokens = b.seconds = 0.0
-            b.counted = 0
 
-    def observe_round(self, tokens: int, seconds: float) -> None:
+    def observe_round(self, tokens: int, seconds: float, elsewhere: bool = False) -> None:
         """The round that ran under the last :meth:`budget` committed ``tokens`` in
-        ``seconds`` (wall time of the round in the engine core)."""
+        ``seconds`` (wall time of the round in the engine core). ``elsewhere``: its k was
+        decided for another purpose (the length policy's cost measurement at a forced k,
+        or the gate's at k = 0), nothing was drafted, or rows resumed drafting (their draft
+        prefilled first), so its goodput is not the width choice's: not counted. Counted,
+        such rounds (both policies start measuring at once) made speculating look like 280
+        tokens/s against 500 off at batch 1, and in another run not speculating like 210
+        against 630."""
         b = self._last
-        if not self.adaptive or b is None or b.choice is None or seconds <= 0:
+        if not self.adaptive or b is None or b.choice is None or seconds <= 0 or elsewhere:
             return
         b.rounds += 1
-        if b.measuring:
-            b.left -= 1
+        if not b.measuring:
+            return
+        b.block_left -= 1
         if b.skip:  # its drafts were prepared, or not, under the previous choice
             b.skip = False
-        else:
-            b.tokens = self.goodput_decay * b.tokens + tokens
-            b.seconds = self.goodput_decay * b.seconds + seconds
-            b.counted += 1
-            if not b.measuring and b.counted >= 4:  # the running choice, kept up to date
-                b.rates[b.choice] = b.tokens / b.seconds
-        if b.measuring and b.left <= 0:
-            if b.counted:
-                b.rates[b.choice] = b.tokens / b.seconds
-            b.measuring = False
+            return
+        sums = b.sums[b.choice]
+        sums[0] += tokens
+        sums[1] += seconds
+        sums[2] += 1
 
     def goodput(self) -> dict[int, dict[str, float]]:
         """Measured tokens/s per batch bucket, with and without speculation (for stats)."""

@@ -626,7 +626,10 @@ class EngineCore:
         sched.plan_round(len(seqs), self._take_alerts())
         items, freed, outputs = self._commit(seqs, batch, asked, results, found, stats)
         # First: the draft starts on it at once.
-        self._message(items, freed, time.perf_counter() - t_round, stats.committed)
+        representative = not (
+            sched.measuring_running_round or stats.resuming or not stats.drafted_rows
+        )
+        self._message(items, freed, time.perf_counter() - t_round, stats.committed, representative)
         self._publish(outputs)
         now = time.perf_counter()
         stats.total_s = now - t_round
@@ -805,9 +808,10 @@ class EngineCore:
         freed: list[Hashable],
         round_s: float | None = None,
         tokens: int = 0,
+        representative: bool = True,
     ) -> None:
         """Tell the draft about the round just ended (or admissions/frees between rounds)."""
-        feedback = RoundFeedback(self._verify_avg, round_s, tokens)
+        feedback = RoundFeedback(self._verify_avg, round_s, tokens, representative)
         if not self.link.send(items, freed, feedback, self.scheduler.full_items):
             self.scheduler.unsync_all()  # the compiled graph broke and the draft was ended
 

@@ -224,6 +224,12 @@ class Scheduler:
             if self.choice is not None:
                 self.choice.new_draft()
 
+    @property
+    def measuring_running_round(self) -> bool:
+        """The round now running (just verified, once plan_round ran) is the length
+        policy's cost measurement at a forced k."""
+        return self._forced_running is not None
+
     def plan_round(self, batch_size: int, alerts: list[DriftAlert]) -> None:
         """Before the next round's draft lengths are chosen: drift alerts that came in,
         and whether the next round measures the cost of one k (see SpeculationLength)."""

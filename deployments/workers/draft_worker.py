@@ -297,7 +297,9 @@ class DraftWorker:
         """Draft what the core waits for now, then (overlap) prepare the next round's."""
         feedback = msg.feedback
         if feedback.round_s is not None:
-            self.width.observe_round(feedback.committed_tokens, feedback.round_s)
+            self.width.observe_round(
+                feedback.committed_tokens, feedback.round_s, not feedback.representative
+            )
         ids = self._draft_now(core, msg, route)
         if not self.overlap or not ids or (core is None and not self._reply_in_step):
             return
