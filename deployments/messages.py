@@ -174,9 +174,10 @@ class RoundFeedback(msgspec.Struct, frozen=True, array_like=True):
     round_s: float | None  # the round's wall time [s]; None: not a round (an admission)
     committed_tokens: int  # tokens the round committed, over all rows [tokens]
     # Whether the round's goodput may judge speculating while verifying: False for a cost
-    # measurement at a k the length policy forced (k = 0 or 1 for a few rounds), a round
-    # at k = 0, or one whose rows resumed drafting (their draft prefilled first). Counted,
-    # such rounds are charged to whichever width choice is being measured then.
+    # measurement at a k the length policy forced (0, 1 or the longest, a few rounds) and
+    # the round after it (drafts prepared at that k), a round with no drafted rows, or
+    # one whose rows resumed drafting (their draft prefilled first). Counted, such rounds
+    # are charged to whichever width choice is being measured then.
     representative: bool = True
 
 

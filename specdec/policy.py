@@ -12,8 +12,9 @@ verification also slows the target. So nothing here is assumed, it is measured:
 * the width grows while speculation finishes with time to spare and shrinks when it was
   cut short; speculation pauses (re-probed now and then) while its hit rate is too low;
 * whether speculating while verifying pays at all is decided by goodput: per batch-size
-  bucket, committed tokens per second of rounds with and without it, each measured in
-  turn and the one not chosen re-measured every ``compare_every`` rounds. Without it
+  bucket, committed tokens per second of rounds with and without it, measured in turns
+  of a few rounds each (so both see the same minutes), again every ``compare_every``
+  rounds; speculating must be ``min_gain`` faster to be kept. Without it
   the pipeline is the sequential one (fresh drafts after each outcome), so overlap mode
   is never slower than sequential mode for long.
 """
@@ -43,7 +44,6 @@ class _Bucket:
     measuring: bool = False  # both choices run in turns, block by block
     block_left: int = 0  # rounds of the current block still to observe
     next_compare: int = 0  # round at which both choices are measured again
-    skip: bool = False  # the next observed round is the first under a new choice
     starts: bool = True  # the choice the next measurement starts with (they alternate)
     # speculating? -> [tokens, seconds, rounds] of the measurement under way
     sums: dict[bool, list[float]] = field(default_factory=dict)
@@ -76,10 +76,12 @@ class SpeculationWidth:
     """Branches per sequence to prepare next round (additive increase, cut on overrun),
     or none where measured goodput says speculating during verification does not pay.
 
-    Goodput with and without speculating is measured in turns of ``block`` rounds (the
-    first of each turn not counted: its drafts were prepared under the other choice)
-    until each has ``compare_rounds`` rounds, so that both see the same minutes, text
-    and load; the better runs until the next measurement ``compare_every`` rounds on."""
+    Goodput with and without speculating is measured in turns of ``block`` rounds until
+    each has ``compare_rounds`` rounds, so that both see the same minutes, text and load;
+    the better runs until the next measurement ``compare_every`` rounds on. A round is
+    counted for a choice only if the two :meth:`budget` calls before it both did what the
+    choice says (branches prepared or not): the one before last prepared the drafts it
+    waited for, the last one's branches ran beside its verification."""
 
     def __init__(self, config: WidthPolicyConfig):
         self.config = config
@@ -93,13 +95,23 @@ class SpeculationWidth:
         self._paused_rounds = 0
         self._buckets: dict[int, _Bucket] = {}
         self._last: _Bucket | None = None  # the bucket of the round now running
+        # whether the last two new-round budget calls prepared branches (oldest first)
+        self._prepared: tuple[bool | None, bool | None] = (None, None)
 
     def budget(self, num_seqs: int, new_round: bool = True) -> int:
-        """Branches to prepare this round across ``num_seqs`` sequences (0: none).
+        """Branches to prepare this round across ``num_seqs`` sequences (0: none; call it
+        with 0 for a round with nothing to prepare, so that the round after is not
+        charged to speculating).
 
         ``new_round`` False: a call between rounds (sequences just admitted) that follows
         the current choice without being counted as the round the next goodput belongs to.
         """
+        n = self._budget(num_seqs, new_round)
+        if new_round:
+            self._prepared = (self._prepared[1], n > 0)
+        return n
+
+    def _budget(self, num_seqs: int, new_round: bool) -> int:
         if self.max_width <= 0 or num_seqs <= 0:
             return 0
         if not self.adaptive:
@@ -110,7 +122,8 @@ class SpeculationWidth:
             speculate = self._last is None or bool(self._last.choice)
         if not speculate:
             return 0
-        if self.hit_rate < self.min_hit_rate:
+        measuring = self._last is not None and self._last.measuring
+        if self.hit_rate < self.min_hit_rate and not measuring:  # (a measurement measures)
             self._paused_rounds += 1
             if self._paused_rounds % self.probe_every:
                 return 0
@@ -138,8 +151,7 @@ class SpeculationWidth:
 
     def _switch(self, b: _Bucket, choice: bool) -> None:
         b.block_left = self.block
-        if b.choice != choice:
-            b.choice, b.skip = choice, True
+        b.choice = choice
 
     def observe_round(self, tokens: int, seconds: float, elsewhere: bool = False) -> None:
         """The round that ran under the last :meth:`budget` committed ``tokens`` in
@@ -157,9 +169,8 @@ class SpeculationWidth:
         if not b.measuring:
             return
         b.block_left -= 1
-        if b.skip:  # its drafts were prepared, or not, under the previous choice
-            b.skip = False
-            return
+        if self._prepared != (b.choice, b.choice):  # its drafts or its verification ran
+            return  # under the other choice (a new turn, a pause, another batch size)
         sums = b.sums[b.choice]
         sums[0] += tokens
         sums[1] += seconds
@@ -231,7 +242,7 @@ class _Costs:
     # draft was made and accepted: the chance a row gets past each position, whatever k
     # it asked for, from every round (a row capped at k says nothing of positions past
     # k: a Kaplan-Meier estimate, censored there). A row commits 1 + sum over m <= k of
-    # the chance of getting past 1..m at k (``SpeculationLength.tokens_per_row``). Per-k
+    # the chance of getting past 1..m at k (``SpeculationLength.survival_tokens``). Per-k
     # means of E x ratio, each from its own few rounds, chose short k on noise
     # (bench.length_policy at batch 1: k = 3 in 152 rounds that gave 406 tokens/s, while
     # k = 11-12 gave 570-588).
@@ -272,7 +283,8 @@ class _Costs:
             by_k.pop(k, None)
 
     def forget_ratios(self, domain: str | None = None) -> None:
-        """Drop the ratios to E of ``domain`` (None: every ratio, pooled ones too)."""
+        """Drop the ratios to E and the position counts of ``domain`` (None: every one,
+        pooled ratios too)."""
         if domain is None:
             self.ratio.clear()
             self.domain_ratio.clear()
@@ -418,28 +430,32 @@ class SpeculationLength:
             for domain, (expected, committed) in sums.items():
                 by_k = c.domain_ratio.setdefault(domain, {})
                 c.update(by_k, ("ratio", k, domain), k, committed / expected, decay)
-            self._observe_positions(c, k, rows or ())
         c.count[k] = c.count.get(k, 0) + 1
         c.last[k] = c.rounds
 
-    def _observe_positions(self, c: _Costs, k: int, rows: Sequence[tuple[str, int, int]]) -> None:
-        """Fold the draft positions each domain's rows asked for ``k`` reached and got past
-        into ``c.reached`` / ``c.passed`` (see there): one observation per domain and round."""
-        by_domain: dict[str, list[int]] = {}
-        for domain, _n, a in rows:
-            by_domain.setdefault(domain, []).append(a)
+    def observe_positions(self, batch_size: int, rows: Sequence[tuple[str, int, int]]) -> None:
+        """The draft positions rows of a round reached and got past, each row as
+        ``(domain, drafts it asked for, drafts accepted)``: rows of the draft model that
+        got drafts, whatever k they asked (see ``_Costs.reached``). A row that accepted
+        ``a`` reached positions 1..a + 1 and got past 1..a; one that accepted all it asked
+        for says nothing past its cap. One observation per domain and round."""
+        c = self._bucket(batch_size)
+        by_domain: dict[str, list[tuple[int, int]]] = {}
+        for domain, cap, a in rows:
+            if cap > 0:
+                by_domain.setdefault(domain, []).append((min(cap, self.max_k), a))
         d = self.cost_decay
-        for domain, accepted in by_domain.items():
+        for domain, got in by_domain.items():
             reached = c.reached.setdefault(domain, [])
             passed = c.passed.setdefault(domain, [])
-            while len(reached) < k:
+            while len(reached) < max(cap for cap, _ in got):
                 reached.append(0.0)
                 passed.append(0.0)
-            for m in range(1, k + 1):  # position m: rows with a >= m - 1 reached it
-                got_to = sum(a >= m - 1 for a in accepted)
+            for m in range(1, len(reached) + 1):  # position m
+                got_to = sum(m <= cap and a >= m - 1 for cap, a in got)
                 if got_to:
                     reached[m - 1] = d * reached[m - 1] + got_to
-                    passed[m - 1] = d * passed[m - 1] + sum(a >= m for a in accepted)
+                    passed[m - 1] = d * passed[m - 1] + sum(m <= cap and a >= m for cap, a in got)
 
     def survival_tokens(self, batch_size: int, k: int, domain: str) -> float | None:
         """Tokens a row of ``domain`` commits per round at k from the positions its rows

@@ -93,6 +93,7 @@ class Branch:
     guess: tuple[int, ...]  # the tokens the round is guessed to commit
     state: SequenceState  # a sequence of its own: committed tokens + guess
     drafts: Drafts
+    k: int = 0  # the drafts it was asked for (the sequence's k then) [tokens]
 
 
 class SpeculativeDrafter:
@@ -305,7 +306,14 @@ class SpeculativeDrafter:
         # The branch's cache becomes the sequence's cache.
         self.proposer.free(seq_id)
         self.proposer.rename(chosen.state.seq_id, seq_id)
-        return chosen.drafts.trimmed(k)
+        drafts = chosen.drafts
+        short = k > chosen.k and len(drafts.tokens) == chosen.k and drafts.probs is None
+        if short and not drafts.complete:
+            # drafted to a shorter k than asked now (k changed between rounds): drafting
+            # afresh would give more; drafted on from its last, as a cut branch is. (A
+            # complete branch went to the core ahead of the message, which serves it.)
+            drafts.cut = True
+        return drafts.trimmed(k)
 
     def speculate(
         self,
@@ -358,7 +366,7 @@ class SpeculativeDrafter:
                 continue
             drafts.speculative, drafts.complete = True, prop.complete
             drafts.cut = not prop.complete and prop.cut[row] and len(drafts.tokens) < k
-            br = Branch(sid, guess, state, drafts)
+            br = Branch(sid, guess, state, drafts, k)
             self._branches.setdefault(sid, []).append(br)
             branches.append(br)
         return branches if branches or prop.complete else None

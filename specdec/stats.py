@@ -117,6 +117,7 @@ class RowOutcome:
             self.draft_version,
             self.method,
             self.auto_method,
+            self.k_asked,
         )
 
     domain: str  # the traffic domain (policy and telemetry key)
@@ -128,6 +129,7 @@ class RowOutcome:
     draft_version: int = 0  # the draft weights' version that drafted it (0: as deployed)
     method: str = "draft_model"  # its proposer this round: "draft_model" or "ngram"
     auto_method: bool = False  # the proposer choice chose it (its goodput is measured)
+    k_asked: int = 0  # drafts it asked for this round (its cap) [tokens]
 
 
 @dataclass(slots=True)

@@ -76,6 +76,7 @@ class Scheduler:
         self.has_draft = False  # a draft is connected (no draft: every k is 0)
         self.forced: int | None = None  # this round's cost-measurement k, if any
         self._forced_running: int | None = None  # ... of the round now running
+        self._forced_before: int | None = None  # ... of the round before it
         self.dropped: list[Hashable] = []  # rows the draft must free (paused, given up)
         self.paused = 0  # rows the policy took out of the draft, and sent back in full
         self.resumed = 0
@@ -227,8 +228,9 @@ class Scheduler:
     @property
     def measuring_running_round(self) -> bool:
         """The round now running (just verified, once plan_round ran) is the length
-        policy's cost measurement at a forced k."""
-        return self._forced_running is not None
+        policy's cost measurement at a forced k, or the first after one (its drafts were
+        prepared at that k)."""
+        return self._forced_running is not None or self._forced_before is not None
 
     def plan_round(self, batch_size: int, alerts: list[DriftAlert]) -> None:
         """Before the next round's draft lengths are chosen: drift alerts that came in,
@@ -238,6 +240,7 @@ class Scheduler:
         self.take_drift_alerts(alerts)
         domains = {seq.domain for seq in self.running.values() if seq.auto}
         # The k of the round now running were chosen under the plan before this one.
+        self._forced_before = self._forced_running
         self._forced_running = self.forced
         self.forced = self.policy.plan_round(batch_size, domains)
 
@@ -251,9 +254,19 @@ class Scheduler:
             return
         model_rows = [row for row in stats.drafted_rows if row.method == "draft_model"]
         self.new_draft(max((row.draft_version for row in model_rows), default=0))
-        for row in model_rows:
-            if row.draft_version == self.draft_version:  # (drafts of the old weights: stale)
-                self.policy.observe_round(row.domain, row.drafted, row.accepted)
+        current = [row for row in model_rows if row.draft_version == self.draft_version]
+        for row in current:  # (drafts of the old weights: stale)
+            self.policy.observe_round(row.domain, row.drafted, row.accepted)
+        # Every row that got drafts, at its own cap (a draft that timed out drafted none).
+        # A hit's drafts were prepared at the k of the round before, which may be shorter
+        # than asked now: its drafts say nothing past their count.
+        self.policy.observe_positions(
+            stats.batch_size,
+            [
+                (row.domain, row.drafted if row.cache_hit else row.k_asked, row.accepted)
+                for row in current
+            ],
+        )
         # A round with lookup rows says nothing clean of the draft model's costs, unless it
         # is a cost measurement (then only requests that named n-gram lookup are on it,
         # and a request that keeps naming it must not starve the bucket of measurements).

@@ -301,8 +301,10 @@ class DraftWorker:
                 feedback.committed_tokens, feedback.round_s, not feedback.representative
             )
         ids = self._draft_now(core, msg, route)
-        if not self.overlap or not ids or (core is None and not self._reply_in_step):
+        if not self.overlap:
             return
+        if core is None and not self._reply_in_step:
+            ids = []  # no core to push branches to: nothing prepared (the width hears so)
         # Goodput is per round: an admission's message (no round time) does not start one.
         budget = self.width.budget(len(ids), new_round=feedback.round_s is not None)
         if budget:

@@ -66,7 +66,7 @@ def test_round_message_round_trips_with_restarts():
         round_for=9,
         items=[DraftItem("a", 4, [4], 3, restart), DraftItem("c", 10, [8, 9], 0)],
         freed=["b", "d"],
-        feedback=RoundFeedback(0.012, None, 5),
+        feedback=RoundFeedback(0.012, 0.02, 5, representative=False),
     )
     assert decode(DraftRoundMessage, encode(msg)) == msg
 
@@ -111,3 +111,12 @@ def test_a_tensor_is_refused_not_pickled():
     bad = DraftPush(0, [PushedDraft("s", DraftStatus.DRAFTS, (), torch.tensor([1, 2]))])
     with pytest.raises(NotImplementedError, match="Tensor"):
         encode(bad)
+
+
+def test_round_feedback_from_a_core_without_the_representative_field():
+    """A core that sends three fields (before ``representative``): the draft reads its
+    rounds as representative, as they were then counted."""
+    import msgspec
+
+    old = msgspec.msgpack.encode([0.012, 0.02, 5])
+    assert msgspec.msgpack.decode(old, type=RoundFeedback) == RoundFeedback(0.012, 0.02, 5, True)

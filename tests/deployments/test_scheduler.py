@@ -166,3 +166,21 @@ def test_a_push_for_an_ended_sequence_is_not_kept(live):
     link = ActorDraftLink("actor", is_live=ids.__contains__)
     link.store(DraftPush(0, [drafts("a", (1,), [2])]))
     assert link.kept() == ({"a"} if live else set())
+
+
+def test_a_cost_measurement_and_the_round_after_it_are_not_representative():
+    """The draft's width policy must not judge speculating by a round whose k the length
+    policy forced, nor by the next one (its drafts were prepared at the forced k)."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4))
+    sched = Scheduler(max_num_seqs=2, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    flags = []
+    for _ in range(16):  # a new bucket measures k = 0, 1 and 4 first, 3 rounds each
+        running_forced = sched.forced  # what the round now running was planned with
+        sched.plan_round(1, [])
+        flags.append((running_forced is not None, sched.measuring_running_round))
+    forced_rounds = [i for i, (forced, _) in enumerate(flags) if forced]
+    assert forced_rounds and all(flags[i][1] for i in forced_rounds)
+    after = [i + 1 for i in forced_rounds if i + 1 < len(flags) and not flags[i + 1][0]]
+    assert all(flags[i][1] for i in after)
+    free = [m for i, (f, m) in enumerate(flags) if not f and i - 1 not in forced_rounds]
+    assert free and not any(free), flags

@@ -398,3 +398,20 @@ def test_a_tied_parameter_comes_under_either_name(tmp_path):
     only_head = {k: v * 2 for k, v in good.items() if k != "model.embed_tokens.weight"}
     runner.load_weights(only_head)
     assert torch.equal(runner.model.model.embed_tokens.weight, good["lm_head.weight"] * 2)
+
+
+def test_a_stopped_branch_drafted_for_a_shorter_k_than_now_asked_is_drafted_on(tiny_draft):
+    """The length policy asked for 3 drafts, then for 6: a branch the outcome stopped
+    holding its 3 is drafted on to what drafting afresh gives for 6, not served short."""
+    runner = ModelRunner(tiny_draft, max_num_seqs=40)
+    drafter = SpeculativeDrafter(DraftModelProposer(runner, min_confidence=0.0))
+    drafter.add("g", [5, 9, 14], SamplingParams(temperature=0.0, max_tokens=50))
+    drafter.propose(["g"], [3])
+    branches = drafter.speculate(["g"], budget=4)
+    hit = branches[0]
+    assert len(hit.drafts.tokens) == 3 and hit.k == 3 and not hit.drafts.cut
+    hit.drafts.complete = False  # stopped by the message just after its last step
+    drafter.commit("g", list(hit.guess))
+    got = drafter.propose(["g"], [6])[0]
+    assert got.speculative
+    assert got.tokens == _fresh_drafts(tiny_draft, hit.state.token_ids, 6, 0.0)
