@@ -626,8 +626,8 @@ class EngineCore:
         sched.plan_round(len(seqs), self._take_alerts())
         items, freed, outputs = self._commit(seqs, batch, asked, results, found, stats)
         # First: the draft starts on it at once.
-        by_draft = [r for r in stats.drafted_rows if r.method == "draft_model"]
-        representative = bool(by_draft) and not (
+        by_draft = any(r.method == "draft_model" for r in stats.drafted_rows)
+        representative = by_draft and not (
             sched.measuring_running_round or stats.resuming or stats.ngram_rows
         )
         self._message(items, freed, time.perf_counter() - t_round, stats.committed, representative)
