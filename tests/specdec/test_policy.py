@@ -32,26 +32,26 @@ def test_batch_buckets():
 
 def test_keeps_speculating_where_it_pays():
     policy = SpeculationWidth(WidthPolicyConfig(4))
-    choices = run_rounds(policy, 1, 400, rate_on=150.0, rate_off=100.0)
+    choices = run_rounds(policy, 2, 400, rate_on=150.0, rate_off=100.0)
     assert sum(choices[50:]) / len(choices[50:]) > 0.9  # only the re-measurements are off
-    assert policy.goodput()[1]["on"] > policy.goodput()[1]["off"]
+    assert policy.goodput()[2]["on"] > policy.goodput()[2]["off"]
 
 
 def test_stops_speculating_where_it_costs_and_per_batch_size():
     policy = SpeculationWidth(WidthPolicyConfig(4))
-    small = run_rounds(policy, 1, 300, rate_on=150.0, rate_off=100.0)
+    small = run_rounds(policy, 2, 300, rate_on=150.0, rate_off=100.0)
     large = run_rounds(policy, 16, 300, rate_on=300.0, rate_off=400.0)
     assert sum(large[50:]) / len(large[50:]) < 0.1
     assert sum(small[50:]) / len(small[50:]) > 0.9  # the small bucket kept its choice
-    again = run_rounds(policy, 1, 100, rate_on=150.0, rate_off=100.0)
+    again = run_rounds(policy, 2, 100, rate_on=150.0, rate_off=100.0)
     assert sum(again) / len(again) > 0.8  # (a measurement runs 16 rounds of each)
 
 
 def test_recovers_when_conditions_change():
     """A choice that became the worse one is dropped after the next re-measurement."""
     policy = SpeculationWidth(WidthPolicyConfig(4, compare_every=100))
-    run_rounds(policy, 1, 200, rate_on=150.0, rate_off=100.0)
-    later = run_rounds(policy, 1, 400, rate_on=80.0, rate_off=100.0)
+    run_rounds(policy, 2, 200, rate_on=150.0, rate_off=100.0)
+    later = run_rounds(policy, 2, 400, rate_on=80.0, rate_off=100.0)
     assert sum(later[-150:]) / 150 < 0.15  # (the re-measurements' turns at speculating)
 
 
@@ -703,7 +703,7 @@ def test_the_length_policys_cost_measurements_do_not_judge_the_width(policy_type
     policy = policy_type(WidthPolicyConfig(4))
     choices = []
     for r in range(300):
-        on = policy.budget(1) > 0
+        on = policy.budget(2) > 0
         choices.append(on)
         forced = r < 4  # the length policy's first measurement rounds
         rate = 10.0 if forced else 150.0 if on else 100.0  # [tokens/s]
@@ -723,7 +723,7 @@ def test_both_choices_are_measured_in_the_same_minutes(block):
     policy = SpeculationWidth(WidthPolicyConfig(4, block=block))
     choices = []
     for r in range(300):
-        on = policy.budget(1) > 0
+        on = policy.budget(2) > 0
         choices.append(on)
         rate = (150.0 if on else 100.0) / (3.0 if r < 13 else 1.0)  # [tokens/s]
         policy.observe_round(5, 5 / rate)
@@ -768,8 +768,19 @@ def test_a_round_is_charged_to_the_choice_that_prepared_it(policy_type):
         on, was = prepared[1], prepared[0]
         rate = {(True, True): 150.0, (False, False): 100.0}.get((was, on), 60.0 if on else 150.0)
         policy.observe_round(5, 5 / rate)
-        spec = policy.budget(1) > 0
+        spec = policy.budget(2) > 0
         prepared = [prepared[1], spec]
         choices.append(spec)
     kept = sum(choices[50:]) / len(choices[50:]) > 0.8
     assert kept == (policy_type is SpeculationWidth), policy.goodput()
+
+
+@pytest.mark.parametrize("measure_from", [2, 1])
+def test_one_sequence_speculates_without_measuring(measure_from):
+    """One sequence's few branches run on the draft's own device: it speculates at the
+    width every round, whatever a measurement of its noisy rounds would say (here, one
+    that says off is 1.5x faster). The twin measures at batch 1 too and turns it off."""
+    policy = SpeculationWidth(WidthPolicyConfig(4, measure_from=measure_from))
+    choices = run_rounds(policy, 1, 200, rate_on=100.0, rate_off=150.0)
+    assert all(choices) == (measure_from == 2), policy.goodput()
+    assert (policy.goodput() == {}) == (measure_from == 2)  # (nothing measured at batch 1)
