@@ -345,12 +345,14 @@ class DraftWorker:
             logger.exception("speculation failed; continuing without branches")
             self._speculated = False  # no branches: the next round says nothing of hits
             return
-        # Cut short with nothing kept: too wide. (Stopped with the greedy branches' drafts
-        # so far kept is no cut: the one hit serves them, sent then.)
-        self.width.observe_speculation(time.perf_counter() - t0, verify_s, branches is None)
+        # Cut short by the outcome, whatever it kept, is too wide for this batch: the
+        # greedy branches' drafts so far still serve a hit (sent then), but the drafts the
+        # others were still making cost the host's cores and found no verification.
+        complete = bool(branches) and all(br.drafts.complete for br in branches)
+        stopped = branches is None or (bool(branches) and not complete)
+        self.width.observe_speculation(time.perf_counter() - t0, verify_s, stopped)
         if branches:
             self.speculated += len(branches)
-        complete = branches and all(br.drafts.complete for br in branches)
         if complete and not self._reply_in_step:  # else they wait for a message
             rows = [(br.seq_id, br.guess, br.drafts) for br in branches]
             drafts = pushed_drafts(rows, version=self.rounds.version)

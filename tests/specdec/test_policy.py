@@ -63,10 +63,49 @@ def test_not_adaptive_always_speculates_at_full_width():
 
 def test_width_follows_overruns():
     policy = SpeculationWidth(WidthPolicyConfig(4))
+    policy.budget(1)
     policy.observe_speculation(0.010, 0.012, cut=True)
     assert policy.width == 3
     policy.observe_speculation(0.002, 0.012, cut=False)
     assert policy.width == 4
+
+
+class _OneWidth(SpeculationWidth):
+    """Wrong twin: one width for every batch size (as before)."""
+
+    @property
+    def width(self):
+        return self._widths.get(1, self.max_width)
+
+    def observe_speculation(self, elapsed_s, verify_s, cut):
+        bucket, self._width_bucket = self._width_bucket, 1
+        super().observe_speculation(elapsed_s, verify_s, cut)
+        self._width_bucket = bucket
+
+
+def _widths_after_mixed_batches(cls) -> tuple[int, int]:
+    """One sequence's speculation finishes early; sixteen sequences' is cut every round.
+    Interleaved, as waves of requests start and drain. -> (width at 1, width at 16)."""
+    policy = cls(WidthPolicyConfig(8, adaptive=True, measure_from=32))
+    for _ in range(40):
+        policy.budget(1)
+        policy.observe_speculation(0.002, 0.008, cut=False)
+        policy.budget(16)
+        policy.observe_speculation(0.020, 0.020, cut=True)
+    widths = []
+    for n in (1, 16):
+        policy.budget(n)
+        widths.append(policy.width)
+    return widths[0], widths[1]
+
+
+def test_width_is_kept_per_batch_size():
+    """Each batch bucket finds its own width: single sequences keep the full width while
+    full batches narrow to one branch each; the twin with one shared width has the two
+    pull one number back and forth (8 branches a sequence at 16 every other round)."""
+    assert _widths_after_mixed_batches(SpeculationWidth) == (8, 1)
+    one, sixteen = _widths_after_mixed_batches(_OneWidth)
+    assert one == sixteen and one > 1
 
 
 def _costs(policy, batch_size, cost, rounds=4):
