@@ -345,12 +345,13 @@ class DraftWorker:
             logger.exception("speculation failed; continuing without branches")
             self._speculated = False  # no branches: the next round says nothing of hits
             return
-        # Cut short by the outcome, whatever it kept, is too wide for this batch: the
-        # greedy branches' drafts so far still serve a hit (sent then), but the drafts the
-        # others were still making cost the host's cores and found no verification.
+        # Cut short by the outcome: with nothing kept (cut), or with the greedy branches'
+        # drafts so far, which serve a hit (sent then); the width policy judges both.
         complete = bool(branches) and all(br.drafts.complete for br in branches)
-        stopped = branches is None or (bool(branches) and not complete)
-        self.width.observe_speculation(time.perf_counter() - t0, verify_s, stopped)
+        stopped = bool(branches) and not complete
+        self.width.observe_speculation(
+            time.perf_counter() - t0, verify_s, branches is None, stopped
+        )
         if branches:
             self.speculated += len(branches)
         if complete and not self._reply_in_step:  # else they wait for a message

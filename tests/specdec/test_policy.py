@@ -77,21 +77,22 @@ class _OneWidth(SpeculationWidth):
     def width(self):
         return self._widths.get(1, self.max_width)
 
-    def observe_speculation(self, elapsed_s, verify_s, cut):
+    def observe_speculation(self, elapsed_s, verify_s, cut, stopped=False):
         bucket, self._width_bucket = self._width_bucket, 1
-        super().observe_speculation(elapsed_s, verify_s, cut)
+        super().observe_speculation(elapsed_s, verify_s, cut, stopped)
         self._width_bucket = bucket
 
 
 def _widths_after_mixed_batches(cls) -> tuple[int, int]:
-    """One sequence's speculation finishes early; sixteen sequences' is cut every round.
+    """One sequence's speculation finishes early; sixteen sequences' is stopped by the
+    outcome every round (their greedy drafts so far kept).
     Interleaved, as waves of requests start and drain. -> (width at 1, width at 16)."""
-    policy = cls(WidthPolicyConfig(8, adaptive=True, measure_from=32))
+    policy = cls(WidthPolicyConfig(8, adaptive=True, measure_from=2))
     for _ in range(40):
         policy.budget(1)
         policy.observe_speculation(0.002, 0.008, cut=False)
         policy.budget(16)
-        policy.observe_speculation(0.020, 0.020, cut=True)
+        policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
     widths = []
     for n in (1, 16):
         policy.budget(n)
@@ -106,6 +107,41 @@ def test_width_is_kept_per_batch_size():
     assert _widths_after_mixed_batches(SpeculationWidth) == (8, 1)
     one, sixteen = _widths_after_mixed_batches(_OneWidth)
     assert one == sixteen and one > 1
+
+
+class _StopIsNoCut(SpeculationWidth):
+    """Wrong twin: speculation stopped with drafts kept never narrows (as before)."""
+
+    def observe_speculation(self, elapsed_s, verify_s, cut, stopped=False):
+        super().observe_speculation(elapsed_s, verify_s, cut, False)
+
+
+class _StopAlwaysCuts(SpeculationWidth):
+    """Wrong twin: a stop narrows one sequence too."""
+
+    def observe_speculation(self, elapsed_s, verify_s, cut, stopped=False):
+        super().observe_speculation(elapsed_s, verify_s, cut or stopped, False)
+
+
+@pytest.mark.parametrize(
+    "cls, want", [(SpeculationWidth, (8, 1)), (_StopIsNoCut, (8, 8)), (_StopAlwaysCuts, (1, 1))]
+)
+def test_a_stop_narrows_batches_not_one_sequence(cls, want):
+    """Stopped by the outcome with drafts kept: 16 sequences narrow (their extra drafts
+    cost the host), one sequence keeps its width (its branches use the draft's own
+    device; the hit serves what it has). Each round alternates: one sequence stopped
+    once in three, sixteen stopped every time."""
+    policy = cls(WidthPolicyConfig(8, measure_from=2))
+    for i in range(30):
+        policy.budget(1)
+        policy.observe_speculation(0.007, 0.008, cut=False, stopped=i % 3 == 0)
+        policy.budget(16)
+        policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
+    got = []
+    for n in (1, 16):
+        policy.budget(n)
+        got.append(policy.width)
+    assert tuple(got) == want
 
 
 def _costs(policy, batch_size, cost, rounds=4):
