@@ -2,10 +2,13 @@
 
     python -m bench.length_policy                       # against policy: fixed
     python -m bench.length_policy --variant '{"policy_gate": false}'
+    python -m bench.length_policy --config demo.yaml --variant '{}' \
+        --engine-variant '{"target_resources": {"num_cpus": 1, "cpu_affinity": [1]}}'
 
 Two engines of one shipped config (``cluster/serve/demo-colocated.yaml`` by default, its
 engine section as shipped) in one Ray cluster: the shipped one and a variant whose
-``speculation`` section is updated with ``--variant`` (JSON). Held-out prompts
+``speculation`` section is updated with ``--variant`` (JSON), and its engine section's
+top-level keys replaced by ``--engine-variant`` (JSON; e.g. worker resources). Held-out prompts
 (:mod:`bench.heldout`), 128 greedy tokens, batch 1, served prompt by prompt in turns (the
 first of each pair alternating). Reports tokens/s (total tokens over total time), tokens a
 round, acceptance, the k the shipped policy chose (the core's rounds by planned k), and
@@ -41,7 +44,9 @@ async def bench(args) -> dict:
     variant = json.loads(args.variant)
     engines = {
         "shipped": EngineClient(shipped_config(args.config)),
-        "variant": EngineClient(shipped_config(args.config, speculation=variant)),
+        "variant": EngineClient(
+            shipped_config(args.config, speculation=variant, engine=json.loads(args.engine_variant))
+        ),
     }
     for engine in engines.values():
         await engine.start()
@@ -115,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.length_policy")
     parser.add_argument("--config", default="demo-colocated.yaml", help="cluster/serve/<name>")
     parser.add_argument("--variant", default='{"policy": "fixed"}', help="speculation JSON")
+    parser.add_argument("--engine-variant", default="{}", help="engine keys JSON (replaced)")
     parser.add_argument("--prompts", type=int, default=35, help="held-out prompts (3: warm-up)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-cpus", type=int, default=4, help="the local Ray cluster's")

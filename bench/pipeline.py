@@ -188,20 +188,24 @@ async def bench(args) -> dict:
 
 
 def shipped_config(
-    name: str, fixed_width: bool = False, speculation: dict | None = None
+    name: str,
+    fixed_width: bool = False,
+    speculation: dict | None = None,
+    engine: dict | None = None,
 ) -> EngineConfig:
     """The engine section of ``cluster/serve/<name>`` as shipped (model paths made
     absolute); ``fixed_width``: speculation during verification always on, at the config's
     width (what its branches do, whether or not the width policy would keep them);
-    ``speculation``: settings that replace the section's own."""
+    ``speculation``: settings that replace the section's own; ``engine``: top-level keys
+    of the section replaced (e.g. a worker's resources)."""
     app = yaml.safe_load((ROOT / "cluster" / "serve" / name).read_text())["applications"][0]
-    engine = app["args"]["engine"]
+    engine_section = app["args"]["engine"]
     for role in ("target", "draft"):
-        engine[role]["model"] = str(ROOT / engine[role]["model"])
+        engine_section[role]["model"] = str(ROOT / engine_section[role]["model"])
     if fixed_width:
-        engine["speculation"]["adaptive_overlap"] = False
-    engine["speculation"].update(speculation or {})
-    return EngineConfig.model_validate(engine)
+        engine_section["speculation"]["adaptive_overlap"] = False
+    engine_section["speculation"].update(speculation or {})
+    return EngineConfig.model_validate({**engine_section, **(engine or {})})
 
 
 async def bench_shipped(args) -> dict:
