@@ -200,12 +200,15 @@ def shipped_config(
     of the section replaced (e.g. a worker's resources)."""
     app = yaml.safe_load((ROOT / "cluster" / "serve" / name).read_text())["applications"][0]
     engine_section = app["args"]["engine"]
+    if "speculation" in (engine or {}):
+        raise ValueError("engine: speculation settings go in speculation")
+    engine_section.update(engine or {})
     for role in ("target", "draft"):
         engine_section[role]["model"] = str(ROOT / engine_section[role]["model"])
     if fixed_width:
         engine_section["speculation"]["adaptive_overlap"] = False
     engine_section["speculation"].update(speculation or {})
-    return EngineConfig.model_validate({**engine_section, **(engine or {})})
+    return EngineConfig.model_validate(engine_section)
 
 
 async def bench_shipped(args) -> dict:
@@ -242,7 +245,7 @@ async def bench_shipped(args) -> dict:
     # The actor draft's speculation while verifying, since it started (warm-up included):
     # branches prepared, hits, and the width policy's measured goodput with and without.
     results["actor"]["draft"] = {
-        key: draft[key] for key in ("speculated", "hits", "misses", "width", "goodput")
+        key: draft[key] for key in ("speculated", "hits", "misses", "width", "widths", "goodput")
     }
     results["actor_vs_colocated"] = round(
         results["actor"]["tokens_per_s"] / results["colocated"]["tokens_per_s"], 3

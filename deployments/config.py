@@ -225,9 +225,11 @@ class SpeculationConfig(_Strict):
     )
     adaptive_overlap: bool = Field(
         default=True,
-        description="Overlap mode: narrow speculation when it is cut short by verification "
-        "ending, widen it while it finishes early, and pause it (re-probing) while its hit "
-        "rate is too low to pay; False always speculates at speculation_width.",
+        description="Overlap mode: per batch size, narrow speculation when verification "
+        "ends before it finished (one sequence: only when nothing was kept), widen it while "
+        "it finishes early, keep it only where it measures faster, and pause it "
+        "(re-probing) while its hit rate is too low to pay; False always speculates at "
+        "speculation_width.",
     )
     policy: Literal["goodput", "fixed"] = Field(
         default="goodput",

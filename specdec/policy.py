@@ -9,8 +9,9 @@ branches still being drafted when the outcome arrives are dropped, and where dra
 target share a machine (two processes on a 2-core host, or one GPU) drafting during
 verification also slows the target. So nothing here is assumed, it is measured:
 
-* the width grows while speculation finishes with time to spare and shrinks when it was
-  cut short; speculation pauses (re-probed now and then) while its hit rate is too low;
+* the width, per batch-size bucket, grows while speculation finishes with time to spare
+  and shrinks when the outcome cut it short (for one sequence only when nothing was
+  kept); speculation pauses (re-probed now and then) while its hit rate is too low;
 * whether speculating while verifying pays at all is decided by goodput: per batch-size
   bucket, committed tokens per second of rounds with and without it, measured in turns
   of a few rounds each (so both see the same minutes), again every ``compare_every``
@@ -83,7 +84,8 @@ class SpeculationWidth:
     speculating during verification does not pay.
 
     The width is kept per batch bucket (additive increase while speculation finishes
-    early, one less each time the outcome arrives before it finished): the time a round's
+    early, one less when the outcome arrives before it finished: see
+    :meth:`observe_speculation` for one sequence): the time a round's
     verification leaves the draft, and what one more branch per sequence costs, both grow
     with the batch. One width for all batches was grown by single sequences and spent, at
     16 sequences, 8 branches each on drafts that no verification waited long enough for
@@ -105,6 +107,7 @@ class SpeculationWidth:
         self.block = max(2, config.block)
         self._widths: dict[int, int] = {}  # batch bucket -> branches per sequence
         self._width_bucket = 1  # the bucket of the last budget() (its speculation's)
+        self._width_measured = False  # ... and whether it had measure_from sequences
         self.hit_rate = 0.5  # moving average of the share of drafted rows served by a branch
         self._paused_rounds = 0
         self._buckets: dict[int, _Bucket] = {}
@@ -129,6 +132,7 @@ class SpeculationWidth:
         if self.max_width <= 0 or num_seqs <= 0:
             return 0
         self._width_bucket = batch_bucket(num_seqs)
+        self._width_measured = num_seqs >= self.config.measure_from
         if not self.adaptive:
             return self.max_width * num_seqs
         if num_seqs < self.config.measure_from:
@@ -151,6 +155,11 @@ class SpeculationWidth:
     def width(self) -> int:
         """Branches per sequence at the batch bucket of the last :meth:`budget` call."""
         return self._widths.get(self._width_bucket, self.max_width)
+
+    def widths(self) -> dict[int, int]:
+        """Branches per sequence per batch bucket narrowed or grown so far (for stats;
+        a bucket not listed is at ``max_width``)."""
+        return dict(sorted(self._widths.items()))
 
     def should_speculate(self, num_seqs: int) -> bool:
         """Measure both choices in turns, then take the better one until the next
@@ -221,9 +230,9 @@ class SpeculationWidth:
         if not self.adaptive:
             return
         width, bucket = self.width, self._width_bucket
-        if cut or (stopped and bucket >= batch_bucket(self.config.measure_from)):
+        if cut or (stopped and self._width_measured):
             self._widths[bucket] = max(1, width - 1)
-        elif verify_s is not None and elapsed_s < self.slack * verify_s:
+        elif not stopped and verify_s is not None and elapsed_s < self.slack * verify_s:
             self._widths[bucket] = min(self.max_width, width + 1)
 
     def observe_hits(self, hits: int, rows: int) -> None:

@@ -169,6 +169,15 @@ def test_config_builders_validate():
     fixed = pipeline.shipped_config("demo-colocated.yaml", speculation={"policy": "fixed"})
     assert (shipped.speculation.policy, fixed.speculation.policy) == ("goodput", "fixed")
     assert fixed.draft_placement == "colocated" and Path(fixed.draft.model).is_dir()
+    pinned = pipeline.shipped_config(
+        "demo.yaml",
+        speculation={"speculation_width": 2},
+        engine={"draft": {"model": "models/demo-draft"}, "draft_resources": {"num_cpus": 0.5}},
+    )  # --engine-variant: keys replaced, model paths still made absolute
+    assert Path(pinned.draft.model).is_absolute() and pinned.draft_resources.num_cpus == 0.5
+    assert pinned.speculation.speculation_width == 2
+    with pytest.raises(ValueError, match="speculation"):
+        pipeline.shipped_config("demo.yaml", engine={"speculation": {}})
     for draft in (True, False):
         cfg = AppConfig.model_validate(serving.app_args(draft, 9464))
         assert (cfg.engine.draft is not None) == draft

@@ -188,7 +188,8 @@ class DraftWorker:
             "misses": self.drafter.misses,
             "seqs": len(self.drafter.seqs),
             "speculated": self.speculated,
-            "width": self.width.width,
+            "width": self.width.width,  # at the batch bucket of the last round
+            "widths": self.width.widths(),  # batch bucket -> width (others: the maximum)
             "goodput": self.width.goodput(),
             "acceptance": self.drafter.acceptance,
             "error": self.error,

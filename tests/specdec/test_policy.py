@@ -78,8 +78,9 @@ class _OneWidth(SpeculationWidth):
         return self._widths.get(1, self.max_width)
 
     def observe_speculation(self, elapsed_s, verify_s, cut, stopped=False):
+        narrows = cut or (stopped and self._width_measured)
         bucket, self._width_bucket = self._width_bucket, 1
-        super().observe_speculation(elapsed_s, verify_s, cut, stopped)
+        super().observe_speculation(elapsed_s, verify_s, narrows, False)
         self._width_bucket = bucket
 
 
@@ -107,6 +108,39 @@ def test_width_is_kept_per_batch_size():
     assert _widths_after_mixed_batches(SpeculationWidth) == (8, 1)
     one, sixteen = _widths_after_mixed_batches(_OneWidth)
     assert one == sixteen and one > 1
+
+
+def test_an_admission_between_rounds_is_judged_at_its_own_batch():
+    """budget(new_round=False) for sequences just admitted is the speculation the next
+    observation is about: its bucket is judged, the round's bucket keeps its width."""
+    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=2))
+    policy.budget(16)
+    policy.budget(2, new_round=False)
+    policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
+    assert policy.widths() == {batch_bucket(2): 7}
+    policy.budget(16)
+    assert policy.width == 8
+
+
+def test_a_stop_never_widens():
+    """Stopped by the outcome (one sequence: not narrowed) is not finishing early, even
+    when the verification it is compared with (the round before's) was long."""
+    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=2))
+    policy.budget(1)
+    policy.observe_speculation(0.010, 0.012, cut=True)
+    policy.observe_speculation(0.001, 0.012, cut=False, stopped=True)
+    assert policy.width == 7
+    policy.observe_speculation(0.001, 0.012, cut=False)
+    assert policy.width == 8
+
+
+@pytest.mark.parametrize("measure_from, narrows", [(3, False), (2, True)])
+def test_a_stop_narrows_from_measure_from_sequences_not_its_bucket(measure_from, narrows):
+    """measure_from = 3 shares a bucket with 2 sequences (2-3), which it does not measure."""
+    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=measure_from))
+    policy.budget(2)
+    policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
+    assert policy.width == (7 if narrows else 8)
 
 
 class _StopIsNoCut(SpeculationWidth):
