@@ -84,14 +84,16 @@ class _OneWidth(SpeculationWidth):
         self._width_bucket = bucket
 
 
-def _widths_after_mixed_batches(cls) -> tuple[int, int]:
-    """One sequence's speculation finishes early; sixteen sequences' is stopped by the
-    outcome every round (their greedy drafts so far kept).
-    Interleaved, as waves of requests start and drain. -> (width at 1, width at 16)."""
+def _widths_after_mixed_batches(cls, rounds=40, one_elapsed=0.002, one_stops_every=0):
+    """Rounds of one sequence (speculation taking ``one_elapsed`` of an 8 ms verification,
+    stopped by the outcome every ``one_stops_every``-th round, 0: never) interleaved with
+    rounds of sixteen, whose speculation the outcome stops every time (their greedy
+    drafts so far kept), as waves of requests start and drain. -> (width at 1, at 16)."""
     policy = cls(WidthPolicyConfig(8, adaptive=True, measure_from=2))
-    for _ in range(40):
+    for i in range(rounds):
         policy.budget(1)
-        policy.observe_speculation(0.002, 0.008, cut=False)
+        stopped = bool(one_stops_every) and i % one_stops_every == 0
+        policy.observe_speculation(one_elapsed, 0.008, cut=False, stopped=stopped)
         policy.budget(16)
         policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
     widths = []
@@ -165,17 +167,7 @@ def test_a_stop_narrows_batches_not_one_sequence(cls, want):
     cost the host), one sequence keeps its width (its branches use the draft's own
     device; the hit serves what it has). Each round alternates: one sequence stopped
     once in three, sixteen stopped every time."""
-    policy = cls(WidthPolicyConfig(8, measure_from=2))
-    for i in range(30):
-        policy.budget(1)
-        policy.observe_speculation(0.007, 0.008, cut=False, stopped=i % 3 == 0)
-        policy.budget(16)
-        policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
-    got = []
-    for n in (1, 16):
-        policy.budget(n)
-        got.append(policy.width)
-    assert tuple(got) == want
+    assert _widths_after_mixed_batches(cls, 30, 0.007, 3) == want
 
 
 def _costs(policy, batch_size, cost, rounds=4):
