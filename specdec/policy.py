@@ -106,8 +106,7 @@ class SpeculationWidth:
         self.compare_every, self.compare_rounds = config.compare_every, config.compare_rounds
         self.block = max(2, config.block)
         self._widths: dict[int, int] = {}  # batch bucket -> branches per sequence
-        self._width_bucket = 1  # the bucket of the last budget() (its speculation's)
-        self._width_measured = False  # ... and whether it had measure_from sequences
+        self._width_seqs = 1  # sequences of the last budget() (its speculation's)
         self.hit_rate = 0.5  # moving average of the share of drafted rows served by a branch
         self._paused_rounds = 0
         self._buckets: dict[int, _Bucket] = {}
@@ -131,8 +130,7 @@ class SpeculationWidth:
     def _budget(self, num_seqs: int, new_round: bool) -> int:
         if self.max_width <= 0 or num_seqs <= 0:
             return 0
-        self._width_bucket = batch_bucket(num_seqs)
-        self._width_measured = num_seqs >= self.config.measure_from
+        self._width_seqs = num_seqs
         if not self.adaptive:
             return self.max_width * num_seqs
         if num_seqs < self.config.measure_from:
@@ -154,7 +152,7 @@ class SpeculationWidth:
     @property
     def width(self) -> int:
         """Branches per sequence at the batch bucket of the last :meth:`budget` call."""
-        return self._widths.get(self._width_bucket, self.max_width)
+        return self._widths.get(batch_bucket(self._width_seqs), self.max_width)
 
     def widths(self) -> dict[int, int]:
         """Branches per sequence per batch bucket narrowed or grown so far (for stats;
@@ -229,8 +227,8 @@ class SpeculationWidth:
         round for 6.8 and hit 46 % for 52 % of rounds in process, demo.yaml)."""
         if not self.adaptive:
             return
-        width, bucket = self.width, self._width_bucket
-        if cut or (stopped and self._width_measured):
+        width, bucket = self.width, batch_bucket(self._width_seqs)
+        if cut or (stopped and self._width_seqs >= self.config.measure_from):
             self._widths[bucket] = max(1, width - 1)
         elif not stopped and verify_s is not None and elapsed_s < self.slack * verify_s:
             self._widths[bucket] = min(self.max_width, width + 1)

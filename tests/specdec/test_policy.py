@@ -78,10 +78,10 @@ class _OneWidth(SpeculationWidth):
         return self._widths.get(1, self.max_width)
 
     def observe_speculation(self, elapsed_s, verify_s, cut, stopped=False):
-        narrows = cut or (stopped and self._width_measured)
-        bucket, self._width_bucket = self._width_bucket, 1
+        narrows = cut or (stopped and self._width_seqs >= self.config.measure_from)
+        seqs, self._width_seqs = self._width_seqs, 1
         super().observe_speculation(elapsed_s, verify_s, narrows, False)
-        self._width_bucket = bucket
+        self._width_seqs = seqs
 
 
 def _widths_after_mixed_batches(cls, rounds=40, one_elapsed=0.002, one_stops_every=0):
