@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from enum import Enum
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -77,6 +77,12 @@ SeqId = str  # a request's id (the frontend refuses any other type)
 # ----- frontend <-> core --------------------------------------------------------------------
 
 
+# What a request's client reads: "delta", every round's new tokens as they commit;
+# "final_only", its first output, then the rest at once when it ends
+# (deployments/core/output_hold.py).
+OutputKind = Literal["delta", "final_only"]
+
+
 class EngineCoreRequest(msgspec.Struct, frozen=True):
     """Start a request in the core, or resume one a replaced core had committed tokens of."""
 
@@ -89,6 +95,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     auto_k: bool  # the length policy chooses k each round
     method: str = "draft_model"  # the proposer: "draft_model" or "ngram" (no draft involved)
     auto_method: bool = False  # the proposer choice picks it per round (method: the first)
+    output_kind: OutputKind = "delta"  # when its outputs are published (see OutputKind)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

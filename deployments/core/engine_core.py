@@ -39,6 +39,7 @@ from deployments.config import ModelSpec
 from deployments.core.colocated import ColocatedDraftLink
 from deployments.core.draft_link import ActorDraftLink, DraftLink
 from deployments.core.logprobs import score_prompt, token_logprobs
+from deployments.core.output_hold import OutputHold
 from deployments.core.round_stats import RoundTimings, Telemetry
 from deployments.core.scheduler import RunningSeq, Scheduler
 from deployments.messages import (
@@ -133,6 +134,7 @@ class EngineCore:
         self._outputs_channel: ChannelServer | None = None  # the replica's direct polls
         self._outbox: list[EngineCoreOutput] = []
         self._out_base = 0
+        self._hold = OutputHold()  # final-only requests' outputs until they end
         self._verify_avg: float | None = None
         self._last_round_end: float | None = None  # perf_counter at the last round's end
         self.timings = RoundTimings()
@@ -452,6 +454,7 @@ class EngineCore:
     def _free(self, sid: Hashable) -> RunningSeq | None:
         seq = self.scheduler.finish(sid)
         self.runner.free(sid)
+        self._hold.drop(sid)
         with self._cv:
             self._seq_ids.discard(sid)
         self.link.forget(sid)  # (after the id stopped being live: no push lands after it)
@@ -522,7 +525,7 @@ class EngineCore:
             seqs[i].state.append([tok], self.eos_token_ids)
             seqs[i].guess = (tok,)
             outputs.append(self._output(seqs[i], [tok], lps, prompt_lps.get(i)))
-        self._publish(outputs)
+        self._publish([out for out in outputs if out is not None])
         return [seq.seq_id for seq in seqs]
 
     def _new_seq(self, req: EngineCoreRequest) -> tuple[RunningSeq, list[int]]:
@@ -542,6 +545,7 @@ class EngineCore:
             ngram_k=k if ngram or req.auto_method else 0,
             auto_method=req.auto_method,
             method=req.method,
+            output_kind=req.output_kind,
         )
         # A resumed request already has its newest token: it is fed next round.
         return seq, state.token_ids if not req.output_token_ids else state.token_ids[:-1]
@@ -735,7 +739,8 @@ class EngineCore:
             kept = st.append(tokens, self.eos_token_ids)
             seq.guess = tuple(tokens[:kept])
             self._count(seq, stats, row, accepted, found.get(st.seq_id), kept, k_asked)
-            outputs.append(self._output(seq, tokens[:kept], lps and lps[:kept]))
+            if (out := self._output(seq, tokens[:kept], lps and lps[:kept])) is not None:
+                outputs.append(out)
             if st.finished:
                 self._free(st.seq_id)
                 if seq.k > 0:
@@ -823,9 +828,10 @@ class EngineCore:
         new_tokens: list[int],
         logprobs: list | None = None,
         prompt_logprobs: list | None = None,
-    ) -> EngineCoreOutput:
+    ) -> EngineCoreOutput | None:
+        """What to publish of this commit (None: held until the request ends)."""
         st = seq.state
-        return EngineCoreOutput(
+        out = EngineCoreOutput(
             st.seq_id,
             list(new_tokens),
             st.finished,
@@ -836,6 +842,7 @@ class EngineCore:
             logprobs,
             prompt_logprobs,
         )
+        return self._hold.offer(out, seq.output_kind)
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:

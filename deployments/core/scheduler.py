@@ -48,6 +48,7 @@ class RunningSeq:
     method: str = "draft_model"  # its proposer unless the choice picks one
     method_next: str = "draft_model"  # the proposer of its next round
     ngram_next: int = 0  # n-gram drafts looked up for its next round (at most)
+    output_kind: str = "delta"  # when its outputs go to the frontend (messages.OutputKind)
 
     @property
     def seq_id(self) -> Hashable:

@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, get_args
 
 import ray
 from ray.exceptions import RayActorError
@@ -38,7 +38,7 @@ from deployments.frontend.request_state import (
 )
 from deployments.frontend.telemetry_link import TelemetryLink, TelemetrySink
 from deployments.frontend.worker_launch import WorkerLauncher, startup_cause
-from deployments.messages import EngineCoreOutput, EngineCoreOutputs, decode
+from deployments.messages import EngineCoreOutput, EngineCoreOutputs, OutputKind, decode
 from specdec.low_rank import LowRankUpdate
 from specdec.proposer_choice import METHODS as PROPOSERS
 from specdec.sampling import SamplingParams
@@ -342,15 +342,23 @@ class EngineClient:
         domain: str = "default",
         operation: str = "text_completion",
         method: str | None = None,
+        output_kind: OutputKind = "delta",
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's output. Cancelling the iterator frees its sequence.
 
         Without ``num_speculative_tokens`` the length policy (``speculation.policy``)
         chooses k per round for the request's ``domain``, up to the configured k.
         ``method``: the proposer ("draft_model" or "ngram"); None: the configured rule
-        (:meth:`SpeculationConfig.draft_plan`)."""
+        (:meth:`SpeculationConfig.draft_plan`). ``output_kind`` "final_only": the caller
+        reads only the end, so the core sends the first output and then the rest at once
+        (``deployments/core/output_hold.py``); a request with stop strings stays "delta",
+        since they are found in its text as it grows."""
         self._check_admission()
         self._check_request(prompt_token_ids, params, num_speculative_tokens, method)
+        if output_kind not in get_args(OutputKind):
+            raise InvalidRequestError(
+                f"output_kind must be one of {get_args(OutputKind)}", "output_kind"
+            )
         plan = self.config.speculation.draft_plan(
             speculation,
             num_speculative_tokens,
@@ -359,6 +367,7 @@ class EngineClient:
             method,
         )
         req = self._new_request(request_id, prompt_token_ids, params, plan, domain)
+        req.output_kind = "delta" if params.stop else output_kind
         t_start, t_first, error_type = time.perf_counter(), None, None
         try:
             await self._start_request(req)

@@ -65,6 +65,7 @@ class RequestState:
     auto: bool = False  # the length policy chooses k per round
     method: str = "draft_model"  # the proposer ("ngram": the core drafts by lookup)
     auto_method: bool = False  # the proposer choice picks it per round
+    output_kind: str = "delta"  # when the core publishes its tokens (messages.OutputKind)
 
     def core_request(self) -> EngineCoreRequest:
         """What the core needs to start, or resume, this request."""
@@ -78,6 +79,7 @@ class RequestState:
             self.auto,
             self.method,
             self.auto_method,
+            self.output_kind,
         )
 
 

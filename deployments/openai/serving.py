@@ -283,6 +283,8 @@ class OpenAIServing:
         args = self.speculation_args(req)
         args["domain"] = self.domains.resolve(req.user, req.metadata, headers)
         args["operation"] = self.operation
+        # A whole response reads only each choice's first output and its end.
+        args["output_kind"] = "delta" if req.stream else "final_only"
         rid = self.id_prefix + uuid.uuid4().hex
         choices = self._choices(req, prompts, n)
         await self._start(choices, args, wait_all=not req.stream)  # errors become statuses

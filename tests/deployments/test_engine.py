@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -329,14 +330,14 @@ async def _kill_after(engine, actor_attr, tokens_seen, threshold):
     ray.kill(getattr(engine, actor_attr), no_restart=True)
 
 
-async def _run_with_kill(engine, actor_attr, prompts, params, after_tokens=None):
+async def _run_with_kill(engine, actor_attr, prompts, params, after_tokens=None, **kw):
     """Run ``prompts`` and kill the engine's ``actor_attr`` once the clients have seen
-    ``after_tokens`` tokens in all (default 8 a prompt)."""
+    ``after_tokens`` tokens in all (default 8 a prompt); ``kw`` go to ``generate``."""
     seen = [0] * len(prompts)
 
     async def one(i, prompt):
         tokens = []
-        async for out in engine.generate(prompt, params):
+        async for out in engine.generate(prompt, params, **kw):
             tokens += out.new_token_ids
             seen[i] = len(tokens)
         return tokens
@@ -406,6 +407,67 @@ def test_target_killed_mid_generation_requests_resume(
     for prompt, tokens in zip(prompts, results, strict=True):
         assert tokens == reference[tuple(prompt)]
     assert health["target_restarts"] == 1 and health["ready"]
+
+
+def test_final_only_requests_get_their_first_output_then_the_rest_at_once(
+    ray_local, tiny_target, tiny_draft, reference
+):
+    """A whole-response request's tokens and logprobs come in two outputs, equal to the
+    delta stream's; with stop strings it stays a stream; a target killed once each has
+    its first token resumes them from it, unchanged."""
+    cfg = config(tiny_target, tiny_draft, speculation={"num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = PROMPTS[:4]
+
+    async def outputs(engine, prompt, p, kind):
+        return [out async for out in engine.generate(prompt, p, output_kind=kind)]
+
+    async def body(engine):
+        kinds = ("delta", "final_only")
+        runs = [outputs(engine, pr, params, kind) for pr in prompts for kind in kinds]
+        runs.append(outputs(engine, prompts[0], replace(GREEDY, stop=("x",)), "final_only"))
+        got = await asyncio.gather(*runs)
+        with pytest.raises(ValueError, match="output_kind"):
+            await outputs(engine, prompts[0], GREEDY, "final")
+        old = engine.target
+        kill = _run_with_kill(
+            engine, "target", prompts, GREEDY, len(prompts), output_kind="final_only"
+        )
+        resumed = await asyncio.wait_for(kill, 120)
+        assert engine.target is not old or await _replaced(engine, old)
+        return got, resumed, await held_after(engine)
+
+    got, resumed, held = asyncio.run(with_engine(cfg, body))
+    assert_nothing_held(held)
+    for i, prompt in enumerate(prompts):
+        delta, final = got[2 * i], got[2 * i + 1]
+        assert len(delta) > 2 and len(final) == 2
+        assert final[0].new_token_ids == delta[0].new_token_ids  # the first, at once
+        assert _joined(final, "new_token_ids") == reference[tuple(prompt)]
+        assert _joined(delta, "new_token_ids") == reference[tuple(prompt)]
+        # (batches differ between the runs: the same logprobs up to float rounding)
+        got_lps, want_lps = _joined(final, "logprobs"), _joined(delta, "logprobs")
+        assert len(got_lps) == len(want_lps) == GREEDY.max_tokens
+        for g, w in zip(got_lps, want_lps, strict=True):
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-4) and len(g.top) == 2
+        assert final[-1].finished and final[-1].num_output_tokens == GREEDY.max_tokens
+        assert final[-1].stats.rounds > 0 and final[-1].stats.drafted > 0
+    assert len(got[-1]) > 2  # stop strings: found in the text as it grows
+    for prompt, tokens in zip(prompts, resumed, strict=True):
+        assert tokens == reference[tuple(prompt)]
+
+
+def _joined(outputs, attr: str) -> list:
+    return [x for out in outputs for x in getattr(out, attr)]
+
+
+async def _replaced(engine, old, timeout_s: float = 60.0) -> bool:
+    """Wait (bounded) until the frontend replaced the core ``old``."""
+    deadline = time.monotonic() + timeout_s
+    while engine.target is old:
+        assert time.monotonic() < deadline, "the killed target was not replaced"
+        await asyncio.sleep(0.1)
+    return True
 
 
 def test_target_killed_without_restarts_fails_cleanly(ray_local, tiny_target, tiny_draft):
