@@ -293,6 +293,7 @@ class EngineCore:
                 "runner": list(self.runner.seq_ids),
                 # per-sequence state kept beside the batch: empty once nothing runs
                 "kept": sorted(map(str, self.link.kept() | self._seq_ids)),
+                "outputs_held": sorted(map(str, self._hold.request_ids())),
             }
             if self.draft_runner is not None:  # as the draft actor reports them
                 drafter = self.link.rounds.drafter
@@ -598,17 +599,19 @@ class EngineCore:
         logger.warning("request %r failed: %r", sid, exc)
         self.failed_requests += 1
         seq = self.scheduler.running.get(sid)
+        counts = seq.counts.copy() if seq is not None else SpecCounts()
+        n_out = len(seq.state.output_token_ids) if seq is not None else 0
+        error = f"request failed in the engine core: {type(exc).__name__}: {exc}"
+        out = EngineCoreOutput(sid, [], True, "error", n_out, counts, error)
         if seq is not None:
+            out = self._hold.offer(out, seq.output_kind)  # with the tokens it held
             self._free(sid)
             if seq.k > 0:
                 self._message([], [sid])
         else:
             with self._cv:
                 self._seq_ids.discard(sid)
-        counts = seq.counts.copy() if seq is not None else SpecCounts()
-        n_out = len(seq.state.output_token_ids) if seq is not None else 0
-        error = f"request failed in the engine core: {type(exc).__name__}: {exc}"
-        self._publish([EngineCoreOutput(sid, [], True, "error", n_out, counts, error)])
+        self._publish([out])
 
     # ----- a round: gather -> verify -> commit -> message and publish -> record -------------
 

@@ -6,9 +6,11 @@ frame and runs the detokenizer once a round for nobody: about 0.7 ms of a core a
 at batch 1 on the demo pair over HTTP (py-spy of the replica), on whichever core is free
 of the models, which in the actor shape is none. Its first output still goes at once:
 the HTTP layer waits for every choice's first output before it answers (a refusal
-becomes a status), and time to first token is measured on it. Later outputs merge here
-until one finishes the request; a core that dies loses what it held, and the request
-resumes from the tokens its client was sent, as any request does.
+becomes a status), and time to first token is measured on it. Later outputs gather here
+until one finishes or fails the request, or ``flush_tokens`` have gathered: that bound
+keeps one output's frame small and limits what a core that dies takes with it (its
+requests resume from the tokens their clients were sent, as every request does, and
+compute the rest again).
 
 Pure: the core's loop calls it; nothing here touches models, threads or actors.
 """
@@ -16,51 +18,74 @@ Pure: the core's loop calls it; nothing here touches models, threads or actors.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 
-from deployments.messages import EngineCoreOutput, OutputKind
+from deployments.messages import EngineCoreOutput, OutputKind, TokenLogprob
+
+# Tokens a final-only request gathers before they go anyway (~0.4 s of one sequence at
+# the demo pair's batch-1 speed; a frame of a few hundred KiB with 20 top logprobs each).
+FLUSH_TOKENS = 256
+
+
+@dataclass
+class _Held:
+    """One request's outputs since its last published one, gathered in place (appending:
+    a round costs what it adds, not what was held before)."""
+
+    token_ids: list[int] = field(default_factory=list)  # [held]
+    logprobs: list[TokenLogprob] | None = None  # [held], when the request asked for them
 
 
 class OutputHold:
-    """The merged, unpublished outputs of final-only requests, by request id."""
+    """The gathered, unpublished outputs of final-only requests, by request id."""
 
-    def __init__(self) -> None:
-        self._held: dict[Hashable, EngineCoreOutput] = {}
+    def __init__(self, flush_tokens: int = FLUSH_TOKENS) -> None:
+        if flush_tokens < 1:
+            raise ValueError("flush_tokens must be >= 1")
+        self.flush_tokens = flush_tokens
+        self._held: dict[Hashable, _Held] = {}
 
     def __len__(self) -> int:
         return len(self._held)
 
+    def request_ids(self) -> list[Hashable]:
+        """The requests holding outputs (for leak checks; one C-level copy of the keys,
+        so safe to call beside the loop that changes them)."""
+        return list(self._held)
+
     def offer(self, out: EngineCoreOutput, kind: OutputKind) -> EngineCoreOutput | None:
-        """What to publish for ``out`` now: ``out`` itself for a delta request, a final-only
-        request's first output (nothing held, its first tokens) or its end (merged with
-        what was held); None while a final-only request runs on."""
+        """What to publish for ``out`` now: ``out`` itself for a delta request, and for a
+        final-only one its first output (nothing held, its first tokens) or, merged with
+        what was held, its end, its failure, or ``flush_tokens`` gathered; None while a
+        final-only request runs on."""
         if kind == "delta":
             return out
-        held = self._held.pop(out.request_id, None)
-        merged = out if held is None else _merge(held, out)
-        first = held is None and out.num_output_tokens == len(out.new_token_ids)
-        if first or merged.finished or merged.error is not None:
-            return merged
-        self._held[out.request_id] = merged
-        return None
+        held = self._held.get(out.request_id)
+        if held is None and out.num_output_tokens == len(out.new_token_ids):
+            return out  # its first output (at max_tokens 1 also its last): at once
+        if held is None:
+            held = self._held[out.request_id] = _Held()
+        held.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            if held.logprobs is None:
+                held.logprobs = []
+            held.logprobs.extend(out.logprobs)
+        ends = out.finished or out.error is not None
+        if not ends and len(held.token_ids) < self.flush_tokens:
+            return None
+        del self._held[out.request_id]
+        return EngineCoreOutput(
+            out.request_id,
+            held.token_ids,
+            out.finished,
+            out.finish_reason,
+            out.num_output_tokens,
+            out.spec_counts,
+            out.error,
+            held.logprobs,
+            out.prompt_logprobs,
+        )
 
     def drop(self, request_id: Hashable) -> None:
         """Forget a request that left the core (aborted, failed, or finished)."""
         self._held.pop(request_id, None)
-
-
-def _merge(held: EngineCoreOutput, out: EngineCoreOutput) -> EngineCoreOutput:
-    """One output for both: their tokens (and logprobs) in order, the later one's state."""
-    logprobs = None
-    if held.logprobs is not None or out.logprobs is not None:
-        logprobs = (held.logprobs or []) + (out.logprobs or [])
-    return EngineCoreOutput(
-        out.request_id,
-        held.new_token_ids + out.new_token_ids,
-        out.finished,
-        out.finish_reason,
-        out.num_output_tokens,
-        out.spec_counts,
-        out.error,
-        logprobs,
-        held.prompt_logprobs if held.prompt_logprobs is not None else out.prompt_logprobs,
-    )

@@ -8,7 +8,8 @@ workers that die, so it is never on a round's critical path.
 
 A dead draft degrades the core to target-only decoding (same output) while a replacement
 loads; a dead target is replaced and every running request is resumed from the tokens it
-already has, so nothing is lost.
+already has, so nothing is lost (a final-only request's tokens the dead core still held,
+at most ``output_hold.FLUSH_TOKENS``, are computed again).
 """
 
 from __future__ import annotations

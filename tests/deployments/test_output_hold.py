@@ -12,6 +12,13 @@ def out(new, n_out, finished=False, error=None, lps=False, prompt_lps=None, rid=
     return EngineCoreOutput(rid, new, finished, reason, n_out, counts, error, logprobs, prompt_lps)
 
 
+def test_the_first_output_goes_at_once_also_when_it_is_the_last():
+    hold = OutputHold()
+    only = out([1], 1, finished=True, prompt_lps=[TokenLogprob(None, None)])
+    assert hold.offer(only, "final_only") is only
+    assert len(hold) == 0
+
+
 def test_delta_requests_pass_through_every_round():
     hold = OutputHold()
     for o in (out([1], 1), out([2, 3], 3), out([4], 4, finished=True)):
@@ -43,6 +50,18 @@ def test_final_only_errors_go_at_once_with_what_was_held():
     failed = hold.offer(out([3], 3, error="boom"), "final_only")
     assert failed.error == "boom" and failed.new_token_ids == [2, 3]
     assert len(hold) == 0
+
+
+def test_final_only_outputs_go_anyway_once_flush_tokens_have_gathered():
+    hold = OutputHold(flush_tokens=4)
+    hold.offer(out([1], 1), "final_only")
+    assert hold.offer(out([2, 3], 3), "final_only") is None
+    flushed = hold.offer(out([4, 5], 5, lps=True), "final_only")
+    assert flushed.new_token_ids == [2, 3, 4, 5] and not flushed.finished
+    assert [lp.logprob for lp in flushed.logprobs] == [-4.0, -5.0]  # (only those asked)
+    assert len(hold) == 0
+    assert hold.offer(out([6], 6), "final_only") is None  # gathering again
+    assert hold.offer(out([7], 7, finished=True), "final_only").new_token_ids == [6, 7]
 
 
 def test_a_resumed_request_is_held_from_its_first_output_on_a_new_core():
