@@ -354,21 +354,14 @@ class EngineClient:
         reads only the end, so the core sends the first output and then the rest at once
         (``deployments/core/output_hold.py``); a request with stop strings stays "delta",
         since they are found in its text as it grows."""
-        self._check_admission()
-        self._check_request(prompt_token_ids, params, num_speculative_tokens, method)
-        if output_kind not in get_args(OutputKind):
-            raise InvalidRequestError(
-                f"output_kind must be one of {get_args(OutputKind)}", "output_kind"
-            )
-        plan = self.config.speculation.draft_plan(
-            speculation,
-            num_speculative_tokens,
-            params.seed is not None,
-            self.config.draft is not None,
-            method,
+        req = self._checked_request(
+            prompt_token_ids,
+            params,
+            (speculation, num_speculative_tokens, method),
+            request_id,
+            domain,
+            output_kind,
         )
-        req = self._new_request(request_id, prompt_token_ids, params, plan, domain)
-        req.output_kind = "delta" if params.stop else output_kind
         t_start, t_first, error_type = time.perf_counter(), None, None
         try:
             await self._start_request(req)
@@ -397,6 +390,29 @@ class EngineClient:
                     req.domain, operation, n_out, t_start, t_first, error_type
                 )
             self._end_request(req)
+
+    def _checked_request(
+        self, prompt_token_ids, params, speculation_args, request_id, domain, output_kind
+    ) -> RequestState:
+        """A new request's registered state, once every check a caller gets has passed;
+        ``speculation_args``: generate's ``(speculation, num_speculative_tokens, method)``."""
+        speculation, num_speculative_tokens, method = speculation_args
+        self._check_admission()
+        self._check_request(prompt_token_ids, params, num_speculative_tokens, method)
+        if output_kind not in get_args(OutputKind):
+            raise InvalidRequestError(
+                f"output_kind must be one of {get_args(OutputKind)}", "output_kind"
+            )
+        plan = self.config.speculation.draft_plan(
+            speculation,
+            num_speculative_tokens,
+            params.seed is not None,
+            self.config.draft is not None,
+            method,
+        )
+        req = self._new_request(request_id, prompt_token_ids, params, plan, domain)
+        req.output_kind = "delta" if params.stop else output_kind  # (see generate)
+        return req
 
     def _check_admission(self) -> None:
         """The engine can take a request now (else EngineError, or overloaded)."""
