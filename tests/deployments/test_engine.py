@@ -330,6 +330,15 @@ async def _kill_after(engine, actor_attr, tokens_seen, threshold, each):
     ray.kill(getattr(engine, actor_attr), no_restart=True)
 
 
+async def _wait_replaced(engine, old, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until the frontend replaced the core ``old`` (a death the last
+    output beat is seen by the poll, a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    while engine.target is old:
+        assert time.monotonic() < deadline, "the killed target was not replaced"
+        await asyncio.sleep(0.05)
+
+
 async def _run_with_kill(
     engine, actor_attr, prompts, params, after_tokens=None, each: int = 0, **kw
 ):
@@ -398,10 +407,7 @@ def test_target_killed_mid_generation_requests_resume(
         # client once saw the rest come before the kill landed (nothing left to resume).
         kill = _run_with_kill(engine, "target", prompts, GREEDY, after_tokens=len(prompts))
         results = await asyncio.wait_for(kill, 120)
-        deadline = time.monotonic() + 60
-        while engine.target is old:  # (a death the last output beat is seen by the poll)
-            assert time.monotonic() < deadline, "the killed target was not replaced"
-            await asyncio.sleep(0.1)
+        await _wait_replaced(engine, old)
         return results, engine.health(), await held_after(engine)
 
     results, health, held = asyncio.run(with_engine(cfg, body))
@@ -439,7 +445,7 @@ def test_final_only_requests_get_their_first_output_then_the_rest_at_once(
         old = engine.target
         kill = _run_with_kill(engine, "target", prompts, long, 0, each=1, output_kind="final_only")
         resumed = await asyncio.wait_for(kill, 120)
-        assert engine.target is not old or await _replaced(engine, old)
+        await _wait_replaced(engine, old)
         return got, resumed, engine.health(), await held_after(engine)
 
     got, resumed, health, held = asyncio.run(with_engine(cfg, body))
@@ -463,15 +469,6 @@ def test_final_only_requests_get_their_first_output_then_the_rest_at_once(
 
 def _joined(outputs, attr: str) -> list:
     return [x for out in outputs for x in getattr(out, attr)]
-
-
-async def _replaced(engine, old, timeout_s: float = 60.0) -> bool:
-    """Wait (bounded) until the frontend replaced the core ``old``."""
-    deadline = time.monotonic() + timeout_s
-    while engine.target is old:
-        assert time.monotonic() < deadline, "the killed target was not replaced"
-        await asyncio.sleep(0.1)
-    return True
 
 
 def test_target_killed_without_restarts_fails_cleanly(ray_local, tiny_target, tiny_draft):
@@ -1247,10 +1244,7 @@ def test_draft_weights_swapped_mid_generation_keep_every_request_exact(
         else:  # a replacement core loads the version served into its colocated draft
             old = engine.target
             ray.kill(old, no_restart=True)
-            deadline = time.monotonic() + 120
-            while engine.target is old:
-                assert time.monotonic() < deadline, "the core was not replaced"
-                await asyncio.sleep(0.05)
+            await _wait_replaced(engine, old, 120)
             replaced = (1, await collect(engine, PROMPTS[1], GREEDY))
             assert engine.health()["target_restarts"] == 1
         return during, after, again, replaced
