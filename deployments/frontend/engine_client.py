@@ -410,9 +410,9 @@ class EngineClient:
             self.config.draft is not None,
             method,
         )
-        req = self._new_request(request_id, prompt_token_ids, params, plan, domain)
-        req.output_kind = "delta" if params.stop else output_kind  # (see generate)
-        return req
+        # Stop strings are found in the text as it grows: such a request stays "delta".
+        kind = "delta" if params.stop else output_kind
+        return self._new_request(request_id, prompt_token_ids, params, plan, domain, kind)
 
     def _check_admission(self) -> None:
         """The engine can take a request now (else EngineError, or overloaded)."""
@@ -473,7 +473,9 @@ class EngineClient:
                 f"method must be one of {list(PROPOSERS)}", "speculation.method"
             )
 
-    def _new_request(self, request_id, prompt_token_ids, params, plan, domain) -> RequestState:
+    def _new_request(
+        self, request_id, prompt_token_ids, params, plan, domain, output_kind
+    ) -> RequestState:
         """The request's state, registered under its id (refused if the id is in use)."""
         if request_id is not None and not isinstance(request_id, str):
             # ids cross to the core as strings (deployments.messages.SeqId)
@@ -497,6 +499,7 @@ class EngineClient:
             auto=plan.auto_k,
             method=plan.method,
             auto_method=plan.auto_method,
+            output_kind=output_kind,
         )
         self._requests[rid] = req
         return req
