@@ -120,3 +120,18 @@ def test_a_new_draft_has_drafting_measured_afresh():
     assert all(after[:4]) and sum(after[50:]) / len(after[50:]) > 0.9
     stale = gate_rounds(twin, 1, 10, rate_on=300.0, rate_off=160.0)
     assert not any(stale)
+
+
+@pytest.mark.parametrize("gain, drafts", [(1.05, False), (1.15, True)])
+def test_drafting_must_measure_min_gain_faster_to_be_kept(gain, drafts):
+    """What drafting costs the rest of the host is not in the rounds: a 5 % gain in them
+    is not worth it, a 15 % one is. The wrong twin, no margin, drafts at 5 %."""
+    gate = SpeculationGate(GateConfig(min_gain=0.1))
+    choices = gate_rounds(gate, 5, 600, rate_on=gain * 800.0, rate_off=800.0)
+    share = sum(choices[50:]) / len(choices[50:])
+    assert share > 0.9 if drafts else share < 0.1
+    assert gate.favours_off(5) is not drafts
+    twin = SpeculationGate(GateConfig(min_gain=0.0))
+    assert sum(gate_rounds(twin, 5, 600, rate_on=gain * 800.0, rate_off=800.0)[50:]) > 0.9 * 550
+    with pytest.raises(ValueError, match="min_gain"):
+        GateConfig(min_gain=-0.1)
