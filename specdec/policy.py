@@ -426,6 +426,7 @@ class SpeculationLength:
         self._round = 0  # engine rounds planned (probing runs on this clock)
         self.gate = SpeculationGate(c.gate) if c.gate is not None else None
         self._open = True  # the gate's word for the round being planned
+        self._trialling = False  # ... given for one of its measurements
 
     # ----- observations -------------------------------------------------------------------
 
@@ -603,13 +604,20 @@ class SpeculationLength:
                     c.fresh.add(c.forced)
                 c.tries[c.forced] = c.tries.get(c.forced, 0) + c.forced_left
                 c.tries_at[c.forced] = c.rounds
-        self._open = True
+        self._open, self._trialling = True, False
         if c.forced is None:
             if self.gate is not None:
                 self._open = self.gate.is_open(bucket)
+                self._trialling = self.gate.trialling
             return None
         c.forced_left -= 1
         return c.forced
+
+    @property
+    def measuring_off(self) -> bool:
+        """The round being planned keeps the policy's rows at k = 0 to measure the gate's
+        closed choice: a passing k = 0, for which the draft should not forget a row."""
+        return self._trialling and not self._open
 
     def observe_round_wall(self, batch_size: int, drafted: bool, tokens: int, seconds: float):
         """A round (not a cost measurement, every row's k the policy's) committed

@@ -29,13 +29,17 @@ from dataclasses import dataclass, field
 class GateConfig:
     """The settings of :class:`SpeculationGate` (rounds: engine rounds of one bucket)."""
 
-    # rounds one measurement of the choice not running lasts (fewer than the scheduler's
-    # PAUSE_AFTER_ROUNDS: measuring k = 0 must not make the draft forget its rows)
-    compare_rounds: int = 6
+    # Rounds one measurement of the choice not running lasts (its rounds at k = 0 do not
+    # count towards the scheduler's pause of a row). A round that admits and prefills a
+    # burst of requests costs several plain rounds, and lands in whichever choice ran:
+    # with 6-round measurements (4 for drafting's first) the figures of one server at 16
+    # rows read drafting at 488 to 1179 tokens/s against 835 to 1097 without, and the
+    # choice at each comparison was a coin toss (64 concurrent, bench.policy --shipped).
+    compare_rounds: int = 12
     compare_every: int = 128  # rounds between such measurements, at first ...
     max_compare_every: int = 2048  # ... doubling up to this while they confirm the choice
-    min_rounds: int = 4  # rounds a choice needs measured before its figure is used
-    decay: float = 0.97  # per observed round, of the running choice's tokens and seconds
+    min_rounds: int = 8  # rounds a choice needs measured before its figure is used
+    decay: float = 0.98  # per observed round, of the running choice's tokens and seconds
     # Drafting is kept only where it measures this much faster (0.1: 10 %). What it costs
     # the rest of the host is not in the core's rounds: on a shared host the draft's core
     # also runs the HTTP proxy, the replicas and their detokenizers, which drafting slows.
@@ -95,6 +99,7 @@ class SpeculationGate:
     def __init__(self, config: GateConfig | None = None):
         self.config = config or GateConfig()
         self._gates: dict[int, _Gate] = {}
+        self.trialling = False  # the last is_open() answered for a measurement's round
 
     def is_open(self, bucket: int) -> bool:
         """Whether the next round's policy rows may draft; call once per planned round of
@@ -102,6 +107,7 @@ class SpeculationGate:
         c = self.config
         g = self._gates.setdefault(bucket, _Gate(every=c.compare_every))
         g.planned += 1
+        self.trialling = g.trial is not None
         if g.trial is not None:
             choice = g.trial
             g.trial_left -= 1
@@ -113,7 +119,9 @@ class SpeculationGate:
         if g.rounds[False] < c.min_rounds:
             # Measured at most once per compare_every rounds: a trial whose rounds were not
             # observed (other rows set their lengths) leaves the gate open meanwhile.
-            return self._trial(g, False) if g.planned >= g.next_compare else True
+            if g.planned < g.next_compare:
+                return True
+            return self._trial(g, False)
         best = self._drafting_pays(g, bucket)
         if g.best is not None and g.planned >= g.next_compare:
             # The last measurement of the other choice confirmed this one: wait longer.
@@ -151,6 +159,7 @@ class SpeculationGate:
 
     def _trial(self, g: _Gate, choice: bool) -> bool:
         """Measure ``choice`` afresh for ``compare_rounds`` rounds, starting with this one."""
+        self.trialling = True
         g.forget(choice)
         g.trial, g.trial_left = choice, self.config.compare_rounds - 1
         if g.trial_left <= 0:

@@ -164,7 +164,7 @@ class Scheduler:
         st = seq.state
         if seq.k_next > 0 or not seq.auto:
             seq.zero_rounds = 0
-        elif self.forced is None:
+        elif self.forced is None and not self.policy.measuring_off:
             seq.zero_rounds += 1
         if seq.k_next == 0 and seq.auto and (seq.paused or seq.zero_rounds >= PAUSE_AFTER_ROUNDS):
             if not seq.paused:  # (freeing is idempotent: also when synced was lost)

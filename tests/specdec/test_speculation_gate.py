@@ -29,10 +29,12 @@ def test_stays_open_where_drafting_pays_and_closes_where_it_loses_per_bucket():
 
 
 def test_follows_a_change_within_a_comparison():
-    gate = SpeculationGate(GateConfig(compare_every=100, max_compare_every=100))
+    config = GateConfig(compare_every=100, max_compare_every=100)
+    gate = SpeculationGate(config)
     gate_rounds(gate, 3, 300, rate_on=500.0, rate_off=400.0)
     later = gate_rounds(gate, 3, 400, rate_on=350.0, rate_off=400.0)
-    assert sum(later[-200:]) / 200 <= 0.1  # open only to re-measure: 6 rounds in 100
+    # open only to re-measure: compare_rounds in 100
+    assert sum(later[-200:]) / 200 <= config.compare_rounds / 100
 
 
 def test_rounds_count_as_what_they_did_not_what_was_planned():
@@ -54,7 +56,7 @@ def test_a_trial_nobody_observed_leaves_the_gate_open_until_the_next_comparison(
     """Rounds whose lengths other rows set are not observed: a trial of k = 0 that saw
     none of its rounds is not repeated at once (which would hold the policy's rows at
     k = 0 without ever measuring anything)."""
-    gate = SpeculationGate(GateConfig(compare_rounds=6, compare_every=100))
+    gate = SpeculationGate(GateConfig(compare_rounds=6, min_rounds=4, compare_every=100))
     for _ in range(4):
         assert gate.is_open(1)
         gate.observe(1, True, 5, 0.01)
