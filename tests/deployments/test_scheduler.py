@@ -18,6 +18,7 @@ from deployments.messages import (
 from specdec.policy import LengthPolicyConfig, SpeculationLength, batch_bucket
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
+from specdec.speculation_gate import GateConfig
 from specdec.stats import RoundStats, RowOutcome
 
 
@@ -99,6 +100,36 @@ def test_a_row_the_policy_keeps_at_zero_leaves_the_draft_and_comes_back():
     back = sched.draft_item(seq)
     assert back is not None and back.restart is not None  # resumed: sent in full
     assert seq.resuming and sched.resumed == 1
+
+
+def test_a_gate_measuring_k_zero_keeps_rows_in_the_draft_and_a_closed_gate_does_not():
+    """The gate's measurement of k = 0 outlasts PAUSE_AFTER_ROUNDS, and its rows stay
+    with the draft (drafting resumes after it without a prefill); once the gate has
+    closed, rows at k = 0 leave the draft after PAUSE_AFTER_ROUNDS as before."""
+    gate = GateConfig(compare_rounds=PAUSE_AFTER_ROUNDS + 4, min_rounds=2)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, gate=gate))
+    sched = Scheduler(max_num_seqs=2, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    sched.has_draft = True
+    seq = running(sched, item("a", k=4, auto=True))
+    for _ in range(2):  # drafting measured: 10 tokens/s
+        policy.gate.observe(batch_bucket(1), True, 10, 1.0)
+    sched.plan_round(1, [])
+    while sched.forced is not None:  # the length policy's first cost measurements
+        sched.plan_round(1, [])
+    trial = []
+    while policy.measuring_off:
+        trial.append(sched.draft_item(seq))
+        policy.observe_round_wall(1, False, 10, 0.01)  # not drafting: 1000 tokens/s
+        sched.plan_round(1, [])
+    assert len(trial) == gate.compare_rounds > PAUSE_AFTER_ROUNDS
+    assert all(it is not None and it.num_speculative_tokens == 0 for it in trial)
+    assert not seq.paused and sched.take_dropped() == []
+    closed = []
+    for _ in range(PAUSE_AFTER_ROUNDS + 1):
+        assert sched.forced is None and not policy.measuring_off
+        closed.append(sched.draft_item(seq))
+        sched.plan_round(1, [])
+    assert closed[-1] is None and seq.paused and sched.take_dropped() == ["a"]
 
 
 def test_the_gate_hears_only_rounds_whose_lengths_were_all_the_policys():
