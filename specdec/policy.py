@@ -614,6 +614,13 @@ class SpeculationLength:
         return c.forced
 
     @property
+    def gate_closed(self) -> bool:
+        """The gate keeps the policy's rows at k = 0 for the round being planned by its
+        decision (not for a measurement): it stays so for ``compare_every`` rounds at
+        least, so the draft need not keep the rows meanwhile."""
+        return not self._open and not self._trialling
+
+    @property
     def measuring_off(self) -> bool:
         """The round being planned keeps the policy's rows at k = 0 to measure the gate's
         closed choice: a passing k = 0, for which the draft should not forget a row."""

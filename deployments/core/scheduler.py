@@ -155,18 +155,23 @@ class Scheduler:
 
     def draft_item(self, seq: RunningSeq) -> DraftItem | None:
         """What the draft needs for the sequence's next round, or None once the length
-        policy has kept it at k = 0 for PAUSE_AFTER_ROUNDS rounds: then the draft forgets
-        the sequence (no message per round, no branches held: idle drafting only competes
-        with verification for the cores; it is added to :attr:`dropped`) and gets it back
-        in full when the policy drafts for it again. Cost measurements at k = 0 (forced)
-        do not count towards a pause."""
+        policy has kept it at k = 0 for PAUSE_AFTER_ROUNDS rounds, or at once while the
+        gate is closed: then the draft forgets the sequence (no message per round, no
+        prefill of a row admitted meanwhile, no branches held: idle drafting only competes
+        with verification and the frontend for the cores; it is added to :attr:`dropped`)
+        and gets it back in full when the policy drafts for it again. Cost measurements
+        and the gate's measurements at k = 0 do not count towards a pause."""
         seq.k_next = self.k_for(seq)
         st = seq.state
         if seq.k_next > 0 or not seq.auto:
             seq.zero_rounds = 0
         elif self.forced is None and not self.policy.measuring_off:
             seq.zero_rounds += 1
-        if seq.k_next == 0 and seq.auto and (seq.paused or seq.zero_rounds >= PAUSE_AFTER_ROUNDS):
+        if (
+            seq.k_next == 0
+            and seq.auto  # (so the policy exists)
+            and (seq.paused or seq.zero_rounds >= PAUSE_AFTER_ROUNDS or self.policy.gate_closed)
+        ):
             if not seq.paused:  # (freeing is idempotent: also when synced was lost)
                 seq.paused, seq.synced = True, False
                 self.dropped.append(st.seq_id)
