@@ -554,11 +554,14 @@ class SpeculationLength:
 
     # ----- the decision -------------------------------------------------------------------
 
-    def plan_round(self, batch_size: int, domains: Collection[str] | None = None) -> int | None:
+    def plan_round(
+        self, batch_size: int, domains: Collection[str] | None = None, queued: bool = False
+    ) -> int | None:
         """Call once per engine round, before :meth:`choose`: the k every policy-driven row
         runs at this round when it is a cost measurement, else None.
 
-        ``domains``: those of the round's policy-driven rows. A re-measurement waits while
+        ``domains``: those of the round's policy-driven rows; ``queued``: requests wait
+        for a slot (the gate measures that state apart). A re-measurement waits while
         every one of them has an acceptance too low for any k to pay, whatever the costs
         (``1 / (1 - α̂) < 1 + min_gain``: even free drafts would not gain enough), e.g.
         after a drift alert said 0: drafting their rows would cost time for nothing."""
@@ -584,7 +587,7 @@ class SpeculationLength:
             remeasure = bool(stale) and c.count.get(stale[0], 0) >= self.explore_rounds
             if remeasure and domains is not None and not any(map(self._may_pay, domains)):
                 stale = []  # not now: checked again next round
-            elif remeasure and self.gate is not None and self.gate.favours_off(bucket):
+            elif remeasure and self.gate is not None and self.gate.favours_off(bucket, queued):
                 stale = []  # drafting loses here by wall time: its costs can wait
             elif remeasure and stale[0] == self.anchors[-1]:  # one cycle: the longest anchor
                 c.remeasures += 1
@@ -607,7 +610,7 @@ class SpeculationLength:
         self._open, self._trialling = True, False
         if c.forced is None:
             if self.gate is not None:
-                self._open = self.gate.is_open(bucket)
+                self._open = self.gate.is_open(bucket, queued)
                 self._trialling = self.gate.trialling
             return None
         c.forced_left -= 1
@@ -626,13 +629,15 @@ class SpeculationLength:
         closed choice: a passing k = 0, for which the draft should not forget a row."""
         return self._trialling and not self._open
 
-    def observe_round_wall(self, batch_size: int, drafted: bool, tokens: int, seconds: float):
+    def observe_round_wall(
+        self, batch_size: int, drafted: bool, tokens: int, seconds: float, queued: bool = False
+    ) -> None:
         """A round (not a cost measurement, every row's k the policy's) committed
         ``tokens`` in ``seconds`` of the loop's wall time, the admissions and prefills
-        before it included; ``drafted``: whether its rows were asked for drafts. What the
-        gate decides from."""
+        before it included; ``drafted``: whether its rows were asked for drafts;
+        ``queued``: requests waited for a slot. What the gate decides from."""
         if self.gate is not None:
-            self.gate.observe(batch_bucket(batch_size), drafted, tokens, seconds)
+            self.gate.observe(batch_bucket(batch_size), drafted, tokens, seconds, queued)
 
     def _may_pay(self, domain: str) -> bool:
         """Whether some k could pay for ``domain`` at some cost: unknown α̂ counts as yes."""

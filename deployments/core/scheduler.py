@@ -248,7 +248,7 @@ class Scheduler:
         # The k of the round now running were chosen under the plan before this one.
         self._forced_before = self._forced_running
         self._forced_running = self.forced
-        self.forced = self.policy.plan_round(batch_size, domains)
+        self.forced = self.policy.plan_round(batch_size, domains, queued=bool(self.waiting))
 
     def observe_round(self, stats: RoundStats) -> None:
         """A round ended: acceptance per domain, and (unless rows resumed, whose drafts
@@ -287,7 +287,11 @@ class Scheduler:
             # were partly someone else's (a request's own k, speculation off, a seed).
             if self._forced_running is None and stats.policy_rows:
                 self.policy.observe_round_wall(
-                    stats.batch_size, stats.planned_k > 0, stats.committed, stats.wall_s
+                    stats.batch_size,
+                    stats.planned_k > 0,
+                    stats.committed,
+                    stats.wall_s,
+                    queued=bool(self.waiting),
                 )
 
     def _observe_proposers(self, stats: RoundStats) -> None:

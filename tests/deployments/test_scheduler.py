@@ -149,7 +149,7 @@ def test_the_gate_hears_only_rounds_whose_lengths_were_all_the_policys():
     round_(0, True, None)  # heard: not drafted
     round_(4, False, None)  # a request's own k in the round: not heard
     round_(4, True, 4)  # a cost measurement: not heard
-    gate = policy.gate._gates[batch_bucket(2)]
+    gate = policy.gate._gates[(batch_bucket(2), False)]
     assert gate.rounds == {True: 1, False: 1}
     assert gate.rate(True) == 10 / 0.02 and gate.rate(False) == 2 / 0.02
 

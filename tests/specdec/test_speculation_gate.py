@@ -23,7 +23,7 @@ def test_stays_open_where_drafting_pays_and_closes_where_it_loses_per_bucket():
     large = gate_rounds(gate, 5, 600, rate_on=900.0, rate_off=1000.0)
     assert sum(small[50:]) / len(small[50:]) > 0.9  # closed only to re-measure
     assert sum(large[50:]) / len(large[50:]) < 0.1  # open only to re-measure
-    assert gate.rates()[5]["off"] > gate.rates()[5]["on"]
+    assert gate.rates()[(5, False)]["off"] > gate.rates()[(5, False)]["on"]
     again = gate_rounds(gate, 1, 100, rate_on=300.0, rate_off=160.0)
     assert sum(again) / len(again) > 0.9  # the small bucket kept its choice
 
@@ -44,7 +44,7 @@ def test_rounds_count_as_what_they_did_not_what_was_planned():
     for _ in range(20):
         assert gate.is_open(2)
         gate.observe(2, False, 10, 0.05)
-    assert gate.rates()[2] == {"off": 200.0}
+    assert gate.rates()[(2, False)] == {"off": 200.0}
 
 
 def test_bad_settings_are_refused():
@@ -137,3 +137,19 @@ def test_drafting_must_measure_min_gain_faster_to_be_kept(gain, drafts):
     assert sum(gate_rounds(twin, 5, 600, rate_on=gain * 800.0, rate_off=800.0)[50:]) > 0.9 * 550
     with pytest.raises(ValueError, match="min_gain"):
         GateConfig(min_gain=-0.1)
+
+
+def test_a_saturated_engine_is_measured_apart_and_needs_a_larger_gain():
+    """With requests waiting for a slot, drafting must measure min_gain_queued faster:
+    the same bucket drafts at 15 % without a queue and not with one; each state keeps
+    its own figures."""
+    gate = SpeculationGate(GateConfig(min_gain=0.1, min_gain_queued=0.25))
+    free, queued = [], []
+    for _ in range(600):
+        for q, log in ((False, free), (True, queued)):
+            on = gate.is_open(5, queued=q)
+            log.append(on)
+            gate.observe(5, on, 16, 16 / (920.0 if on else 800.0), queued=q)
+    assert sum(free[50:]) / 550 > 0.9 and sum(queued[50:]) / 550 < 0.1
+    assert gate.favours_off(5, queued=True) and not gate.favours_off(5)
+    assert set(gate.rates()) == {(5, False), (5, True)}
