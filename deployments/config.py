@@ -227,7 +227,8 @@ class SpeculationConfig(_Strict):
         default=True,
         description="Overlap mode: per batch size, narrow speculation when verification "
         "ends before it finished (one sequence: only when nothing was kept), widen it while "
-        "it finishes early, keep it only where it measures faster, and pause it "
+        "it finishes early (batches start at one branch per sequence, one sequence at "
+        "speculation_width), keep it only where it measures faster, and pause it "
         "(re-probing) while its hit rate is too low to pay; False always speculates at "
         "speculation_width.",
     )

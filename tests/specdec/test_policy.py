@@ -89,7 +89,7 @@ def _widths_after_mixed_batches(cls, rounds=40, one_elapsed=0.002, one_stops_eve
     stopped by the outcome every ``one_stops_every``-th round, 0: never) interleaved with
     rounds of sixteen, whose speculation the outcome stops every time (their greedy
     drafts so far kept), as waves of requests start and drain. -> (width at 1, at 16)."""
-    policy = cls(WidthPolicyConfig(8, adaptive=True, measure_from=2))
+    policy = cls(WidthPolicyConfig(8, adaptive=True, measure_from=2, start_width=8))
     for i in range(rounds):
         policy.budget(1)
         stopped = bool(one_stops_every) and i % one_stops_every == 0
@@ -115,7 +115,7 @@ def test_width_is_kept_per_batch_size():
 def test_an_admission_between_rounds_is_judged_at_its_own_batch():
     """budget(new_round=False) for sequences just admitted is the speculation the next
     observation is about: its bucket is judged, the round's bucket keeps its width."""
-    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=2))
+    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=2, start_width=8))
     policy.budget(16)
     policy.budget(2, new_round=False)
     policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
@@ -139,10 +139,26 @@ def test_a_stop_never_widens():
 @pytest.mark.parametrize("measure_from, narrows", [(3, False), (2, True)])
 def test_a_stop_narrows_from_measure_from_sequences_not_its_bucket(measure_from, narrows):
     """measure_from = 3 shares a bucket with 2 sequences (2-3), which it does not measure."""
-    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=measure_from))
+    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=measure_from, start_width=8))
     policy.budget(2)
     policy.observe_speculation(0.020, 0.020, cut=False, stopped=True)
     assert policy.width == (7 if narrows else 8)
+
+
+def test_batches_start_narrow_and_widen_while_speculation_finishes_early():
+    """From measure_from sequences a bucket starts at start_width branches a sequence and
+    widens by one a round while speculation finishes early, up to max_width; one sequence
+    starts at max_width (its branches run on the draft's own device)."""
+    policy = SpeculationWidth(WidthPolicyConfig(8, measure_from=2, start_width=1))
+    assert policy.budget(1) == 8
+    assert policy.budget(16) == 16
+    widths = []
+    for _ in range(10):
+        policy.budget(16)
+        policy.observe_speculation(0.002, 0.020, cut=False)
+        widths.append(policy.width)
+    assert widths == [2, 3, 4, 5, 6, 7, 8, 8, 8, 8]
+    assert policy.budget(1) == 8
 
 
 class _StopIsNoCut(SpeculationWidth):
