@@ -11,12 +11,13 @@ fewer tokens per second than without speculation.
 
 So this gate measures the thing itself: committed tokens per wall second of the engine's
 loop (each round with the admissions and prefills before it), separately for rounds that
-drafted and rounds that did not, per bucket. Once both are known, the better one is
-taken, drafting only where it measured ``min_gain`` faster; now and then the other is
-run for ``compare_rounds`` rounds, measured afresh, to keep its figure current
-(conditions change: load, prompts, the batch mix): every ``compare_every`` rounds,
-doubling while each measurement confirms the choice. A closed gate
-keeps the length policy's rows at k = 0; requests that set their own k are not asked.
+drafted and rounds that did not, per bucket (and apart while requests wait for a slot).
+Once both are known, the better one is taken, drafting only where it measured
+``min_gain`` faster; now and then the other is run for ``compare_rounds`` rounds,
+measured afresh, to keep its figure current (conditions change: load, prompts, the batch
+mix): every ``compare_every`` rounds, doubling while each measurement confirms the
+choice. A closed gate keeps the length policy's rows at k = 0; requests that set their
+own k are not asked.
 Pure: no clocks, no torch.
 """
 

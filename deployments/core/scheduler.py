@@ -155,12 +155,15 @@ class Scheduler:
 
     def draft_item(self, seq: RunningSeq) -> DraftItem | None:
         """What the draft needs for the sequence's next round, or None once the length
-        policy has kept it at k = 0 for PAUSE_AFTER_ROUNDS rounds, or at once while the
-        gate is closed: then the draft forgets the sequence (no message per round, no
-        prefill of a row admitted meanwhile, no branches held: idle drafting only competes
+        policy has kept it at k = 0 for PAUSE_AFTER_ROUNDS rounds: then the draft forgets
+        the sequence (no message per round, no branches held: idle drafting only competes
         with verification and the frontend for the cores; it is added to :attr:`dropped`)
-        and gets it back in full when the policy drafts for it again. Cost measurements
-        and the gate's measurements at k = 0 do not count towards a pause."""
+        and gets it back in full when the policy drafts for it again. A row the draft does
+        not hold (just admitted) is not sent while the gate is closed: its prefill there
+        would be for nothing. (A held row keeps the PAUSE_AFTER_ROUNDS hysteresis: a batch
+        size moving between buckets, one closed and one open, would otherwise re-send
+        every row in full each time.) Cost measurements and the gate's measurements at
+        k = 0 do not count towards a pause."""
         seq.k_next = self.k_for(seq)
         st = seq.state
         if seq.k_next > 0 or not seq.auto:
@@ -170,7 +173,11 @@ class Scheduler:
         if (
             seq.k_next == 0
             and seq.auto  # (so the policy exists)
-            and (seq.paused or seq.zero_rounds >= PAUSE_AFTER_ROUNDS or self.policy.gate_closed)
+            and (
+                seq.paused
+                or seq.zero_rounds >= PAUSE_AFTER_ROUNDS
+                or (self.policy.gate_closed and not seq.synced)
+            )
         ):
             if not seq.paused:  # (freeing is idempotent: also when synced was lost)
                 seq.paused, seq.synced = True, False

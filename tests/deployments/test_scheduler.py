@@ -105,8 +105,8 @@ def test_a_row_the_policy_keeps_at_zero_leaves_the_draft_and_comes_back():
 def test_a_gate_measuring_k_zero_keeps_rows_in_the_draft_and_a_closed_gate_does_not():
     """The gate's measurement of k = 0 outlasts PAUSE_AFTER_ROUNDS, and its rows stay
     with the draft (drafting resumes after it without a prefill); once the gate has
-    closed (for compare_every rounds at least), rows leave the draft at once, and a row
-    admitted meanwhile is never prefilled there."""
+    closed, a row admitted meanwhile is never sent to the draft, and the rows it holds
+    leave after PAUSE_AFTER_ROUNDS as before."""
     gate = GateConfig(compare_rounds=PAUSE_AFTER_ROUNDS + 4, min_rounds=2)
     policy = SpeculationLength(LengthPolicyConfig(max_k=4, gate=gate))
     sched = Scheduler(max_num_seqs=2, max_model_len=1000, draft_max_model_len=1000, policy=policy)
@@ -126,9 +126,15 @@ def test_a_gate_measuring_k_zero_keeps_rows_in_the_draft_and_a_closed_gate_does_
     assert all(it is not None and it.num_speculative_tokens == 0 for it in trial)
     assert not seq.paused and sched.take_dropped() == []
     assert policy.gate_closed and sched.forced is None
-    assert sched.draft_item(seq) is None and seq.paused and sched.take_dropped() == ["a"]
     late = running(sched, item("b", k=4, auto=True))
-    assert sched.draft_item(late) is None and late.paused
+    assert sched.draft_item(late) is None and late.paused and sched.take_dropped() == ["b"]
+    closed = []
+    for _ in range(PAUSE_AFTER_ROUNDS):
+        assert policy.gate_closed and sched.forced is None
+        closed.append(sched.draft_item(seq))
+        sched.plan_round(1, [])
+    assert None not in closed[:-1] and closed[-1] is None and seq.paused
+    assert sched.take_dropped() == ["a"]
 
 
 def test_the_gate_hears_only_rounds_whose_lengths_were_all_the_policys():
