@@ -251,9 +251,11 @@ class SpeculationConfig(_Strict):
         default=True,
         description="'goodput' policy: also measure, per batch size, committed tokens per "
         "wall second of the engine's rounds with and without drafting (the admissions and "
-        "prefills between rounds included) and keep the policy's rows at k = 0 where "
-        "drafting measured slower, measuring the other choice again now and then "
-        "(specdec/speculation_gate.py). False: the per-row prediction alone decides.",
+        "prefills between rounds included) and keep the policy's rows at k = 0 unless "
+        "drafting measured 10 % faster (from 2 sequences; 25 % while requests wait for a "
+        "slot, measured apart), measuring the other choice again now and then "
+        "(specdec/speculation_gate.py); rows admitted while it is closed are not sent to "
+        "the draft. False: the per-row prediction alone decides.",
     )
 
     proposers: list[Literal["draft_model", "ngram"]] = Field(

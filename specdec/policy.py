@@ -629,8 +629,8 @@ class SpeculationLength:
     @property
     def gate_closed(self) -> bool:
         """The gate keeps the policy's rows at k = 0 for the round being planned by its
-        decision (not for a measurement): it stays so for ``compare_every`` rounds at
-        least, so the draft need not keep the rows meanwhile."""
+        decision (not for a measurement): a row the draft does not hold need not be sent
+        to it. (Per round: the next may fall in another bucket or queue state.)"""
         return not self._open and not self._trialling
 
     @property

@@ -48,7 +48,7 @@ class GateConfig:
     # 0.96x speculation off (bench.policy --shipped), where in process the same engine ran
     # at 0.97-1.02x: the rounds saw a tie and the clients a loss.
     min_gain: float = 0.1
-    # ... from this batch size on. One sequence's frontend work is small, and its rounds
+    # ... from this batch size's bucket on. One sequence's frontend work is small, and its rounds
     # (1 to k + 1 tokens each) move a measurement by more than the margin: with it, one
     # noisy trial closed the gate for hundreds of rounds where drafting paid 1.2x.
     min_gain_from: int = 2
@@ -159,13 +159,13 @@ class SpeculationGate:
         return g.best is False
 
     def _drafting_pays(self, g: _Gate, bucket: int, queued: bool) -> bool:
-        """Whether drafting measured faster than not, by ``min_gain`` in the buckets of
-        ``min_gain_from`` sequences on (``min_gain_queued`` while requests wait), both
+        """Whether drafting measured faster than not, by ``min_gain`` (``min_gain_queued``
+        while requests wait) in the bucket of ``min_gain_from`` sequences and above, both
         rates known."""
         c = self.config
-        margin = c.min_gain if bucket >= c.min_gain_from.bit_length() else 0.0
-        if queued:
-            margin = max(margin, c.min_gain_queued)
+        margin = 0.0  # one sequence: see min_gain_from
+        if bucket >= c.min_gain_from.bit_length():
+            margin = c.min_gain_queued if queued else c.min_gain
         return g.rate(True) >= (1.0 + margin) * g.rate(False)
 
     def _trial(self, g: _Gate, choice: bool) -> bool:
@@ -194,7 +194,8 @@ class SpeculationGate:
         g.rounds[drafted] += 1
 
     def rates(self) -> dict[tuple[int, bool], dict[str, float]]:
-        """Measured tokens/s per (bucket, queued), with and without drafting (for stats)."""
+        """Measured tokens/s per (bucket, queued), with and without drafting (for tests
+        and debugging; not JSON keys)."""
         out: dict[tuple[int, bool], dict[str, float]] = {}
         for key, g in self._gates.items():
             out[key] = {

@@ -33,7 +33,7 @@ class RoundTimings:
     drafted_rows: int = 0  # sequence-rounds that carried drafts
     hits: int = 0  # ... whose drafts were prepared ahead (speculation-cache hits)
     draft_timeouts: int = 0
-    paused: int = 0  # rows the length policy took out of the draft (k = 0)
+    paused: int = 0  # rows the length policy took out of (or kept from) the draft (k = 0)
     resumed: int = 0  # ... and sent to it again in full (drafting resumed)
     by_planned_k: dict[int, int] = field(default_factory=dict)  # k -> rounds planned at it
     # k -> tokens committed and critical-path seconds (total_s) of those rounds: the

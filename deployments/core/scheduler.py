@@ -38,7 +38,9 @@ class RunningSeq:
     domain: str = "default"  # the traffic domain (policy and telemetry key)
     auto: bool = False  # k comes from the length policy, capped at ``k``
     zero_rounds: int = 0  # consecutive rounds the policy chose k = 0 for it
-    paused: bool = False  # ... PAUSE_AFTER_ROUNDS of them: the draft was told to free it
+    # ... PAUSE_AFTER_ROUNDS of them, or never held while the gate is closed: the draft
+    # was told to free it (idempotent)
+    paused: bool = False
     resuming: bool = False  # sent in full after a pause: its next drafts start with a prefill
     counts: SpecCounts = field(default_factory=SpecCounts)  # its speculation so far
     # n-gram lookup: its k (0: never; a row drafted only by lookup has k = 0, so the
@@ -79,7 +81,9 @@ class Scheduler:
         self._forced_running: int | None = None  # ... of the round now running
         self._forced_before: int | None = None  # ... of the round before it
         self.dropped: list[Hashable] = []  # rows the draft must free (paused, given up)
-        self.paused = 0  # rows the policy took out of the draft, and sent back in full
+        self.paused = 0  # rows the policy took out of (or kept from) the draft, and ...
+        self._queued_planned = False  # requests waited when the next round was planned
+        self._queued_running = False  # ... when the round now running was
         self.resumed = 0
 
     # ----- admission ------------------------------------------------------------------------
@@ -255,7 +259,8 @@ class Scheduler:
         # The k of the round now running were chosen under the plan before this one.
         self._forced_before = self._forced_running
         self._forced_running = self.forced
-        self.forced = self.policy.plan_round(batch_size, domains, queued=bool(self.waiting))
+        self._queued_running, self._queued_planned = self._queued_planned, bool(self.waiting)
+        self.forced = self.policy.plan_round(batch_size, domains, queued=self._queued_planned)
 
     def observe_round(self, stats: RoundStats) -> None:
         """A round ended: acceptance per domain, and (unless rows resumed, whose drafts
@@ -298,7 +303,7 @@ class Scheduler:
                     stats.planned_k > 0,
                     stats.committed,
                     stats.wall_s,
-                    queued=bool(self.waiting),
+                    queued=self._queued_running,  # the state its plan was made in
                 )
 
     def _observe_proposers(self, stats: RoundStats) -> None:

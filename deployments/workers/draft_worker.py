@@ -189,7 +189,8 @@ class DraftWorker:
             "seqs": len(self.drafter.seqs),
             "speculated": self.speculated,
             "width": self.width.width,  # at the batch bucket of the last round
-            "widths": self.width.widths(),  # batch bucket -> width (others: the maximum)
+            # batch bucket -> width (others at their start: see SpeculationWidth.widths)
+            "widths": self.width.widths(),
             "goodput": self.width.goodput(),
             "acceptance": self.drafter.acceptance,
             "error": self.error,

@@ -160,6 +160,31 @@ def test_the_gate_hears_only_rounds_whose_lengths_were_all_the_policys():
     assert gate.rate(True) == 10 / 0.02 and gate.rate(False) == 2 / 0.02
 
 
+def test_rounds_with_requests_waiting_are_planned_and_heard_apart():
+    """With requests waiting for a slot the gate is asked, and told, about its queued
+    state, by the state each round's plan was made in."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4))
+    sched = Scheduler(max_num_seqs=2, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    bucket = batch_bucket(2)
+    while policy.plan_round(2) is not None:  # past the first cost measurements (the gate
+        pass  # is asked once, unqueued, when they end)
+
+    def round_(queued):
+        sched.waiting = [item("w")] if queued else []
+        sched.forced = None
+        sched.plan_round(2, [])
+        stats = RoundStats(2, 4, False, total_s=0.01, wall_s=0.02, policy_rows=True)
+        stats.rows = [RowOutcome("d", 4, 4, False, 5, True)] * 2
+        sched.observe_round(stats)
+
+    round_(True)  # planned queued; the round it observes was planned before: not queued
+    round_(False)  # the round it observes was planned queued
+    round_(True)  # ... planned not queued (a queue now: that round is not filed by it)
+    gates = policy.gate._gates
+    assert gates[(bucket, False)].rounds[True] == 2 and gates[(bucket, True)].rounds[True] == 1
+    assert gates[(bucket, True)].planned == 2 and gates[(bucket, False)].planned == 2
+
+
 # ----- the draft link (no draft actor: pushes are stored and gathered) -------------------------
 
 

@@ -153,3 +153,22 @@ def test_a_saturated_engine_is_measured_apart_and_needs_a_larger_gain():
     assert sum(free[50:]) / 550 > 0.9 and sum(queued[50:]) / 550 < 0.1
     assert gate.favours_off(5, queued=True) and not gate.favours_off(5)
     assert set(gate.rates()) == {(5, False), (5, True)}
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_one_sequence_needs_no_margin_queued_or_not(queued):
+    """Below min_gain_from no margin applies, a queue or not: drafting that pays 1.2x at
+    one sequence stays open; the twin with the margins from 1 sequence closes it."""
+    rates = {"rate_on": 1.2 * 100.0, "rate_off": 100.0}
+    for min_gain_from, drafts in ((2, True), (1, False)):
+        gate = SpeculationGate(GateConfig(min_gain_from=min_gain_from, min_gain_queued=0.25))
+        choices = []
+        for _ in range(600):
+            on = gate.is_open(1, queued=queued)
+            choices.append(on)
+            gate.observe(1, on, 2, 2 / (rates["rate_on"] if on else rates["rate_off"]), queued)
+        share = sum(choices[50:]) / 550
+        if drafts:
+            assert share > 0.9
+        elif queued:
+            assert share < 0.1  # 1.2x < 1.25x
