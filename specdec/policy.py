@@ -581,19 +581,7 @@ class SpeculationLength:
         c.rounds += 1
         if c.forced_left <= 0:
             c.forced = None
-            # A forced round may not measure its k (rows with their own k set the round's
-            # length): an anchor is forced at most 2 x explore_rounds times before it has
-            # data, then again only when its data is remeasure_every rounds old, so rows
-            # outside the policy can never hold the policy's rows at one k.
-            stale = [
-                k
-                for k in self.anchors
-                if (
-                    c.count.get(k, 0) < self.explore_rounds
-                    and c.tries.get(k, 0) < 2 * self.explore_rounds
-                )
-                or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
-            ]
+            stale = self._stale_anchors(c)
             remeasure = bool(stale) and c.count.get(stale[0], 0) >= self.explore_rounds
             if remeasure and domains is not None and not any(map(self._may_pay, domains)):
                 stale = []  # not now: checked again next round
@@ -625,6 +613,22 @@ class SpeculationLength:
             return None
         c.forced_left -= 1
         return c.forced
+
+    def _stale_anchors(self, c: _Costs) -> list[int]:
+        """The anchors of bucket ``c`` due a cost measurement, in anchor order. A forced
+        round may not measure its k (rows with their own k set the round's length): an
+        anchor is forced at most 2 x explore_rounds times before it has data, then again
+        only when its data is remeasure_every rounds old, so rows outside the policy can
+        never hold the policy's rows at one k."""
+        return [
+            k
+            for k in self.anchors
+            if (
+                c.count.get(k, 0) < self.explore_rounds
+                and c.tries.get(k, 0) < 2 * self.explore_rounds
+            )
+            or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
+        ]
 
     @property
     def gate_closed(self) -> bool:
