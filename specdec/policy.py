@@ -25,14 +25,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from specdec.speculation_gate import GateConfig, SpeculationGate
+from specdec.speculation_gate import GateConfig, SpeculationGate, batch_bucket
 from specdec.speedup import expected_tokens_per_round
 from specdec.stats import alpha_hat
-
-
-def batch_bucket(num_seqs: int) -> int:
-    """Power-of-two bucket of a batch size: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
-    return max(1, num_seqs).bit_length()
 
 
 @dataclass
@@ -111,6 +106,8 @@ class SpeculationWidth:
         self.slack, self.decay = config.slack, config.decay
         self.compare_every, self.compare_rounds = config.compare_every, config.compare_rounds
         self.block = max(2, config.block)
+        # branches per sequence of a bucket not yet narrowed or grown (one sequence: max)
+        self._start_width = max(1, min(self.max_width, config.start_width))
         self._widths: dict[int, int] = {}  # batch bucket -> branches per sequence
         self._width_seqs = 1  # sequences of the last budget() (its speculation's)
         self.hit_rate = 0.5  # moving average of the share of drafted rows served by a branch
@@ -160,7 +157,7 @@ class SpeculationWidth:
         """Branches per sequence at the batch bucket of the last :meth:`budget` call."""
         start = self.max_width
         if self._width_seqs >= self.config.measure_from:
-            start = max(1, min(self.max_width, self.config.start_width))
+            start = self._start_width
         return self._widths.get(batch_bucket(self._width_seqs), start)
 
     def widths(self) -> dict[int, int]:

@@ -26,6 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def batch_bucket(num_seqs: int) -> int:
+    """Power-of-two bucket of a batch size: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
+    return max(1, num_seqs).bit_length()
+
+
 @dataclass(frozen=True)
 class GateConfig:
     """The settings of :class:`SpeculationGate` (rounds: engine rounds of one bucket)."""
@@ -110,7 +115,7 @@ class SpeculationGate:
 
     def is_open(self, bucket: int, queued: bool = False) -> bool:
         """Whether the next round's policy rows may draft; call once per planned round of
-        the batch-size ``bucket`` (:func:`specdec.policy.batch_bucket`); ``queued``:
+        the batch-size ``bucket`` (:func:`batch_bucket`); ``queued``:
         requests wait for a slot (measured apart from the same bucket without)."""
         c = self.config
         g = self._gates.setdefault((bucket, queued), _Gate(every=c.compare_every))
@@ -164,7 +169,7 @@ class SpeculationGate:
         rates known."""
         c = self.config
         margin = 0.0  # one sequence: see min_gain_from
-        if bucket >= c.min_gain_from.bit_length():
+        if bucket >= batch_bucket(c.min_gain_from):
             margin = c.min_gain_queued if queued else c.min_gain
         return g.rate(True) >= (1.0 + margin) * g.rate(False)
 
