@@ -582,8 +582,10 @@ class SpeculationLength:
             remeasure = bool(stale) and c.count.get(stale[0], 0) >= self.explore_rounds
             if remeasure and domains is not None and not any(map(self._may_pay, domains)):
                 stale = []  # not now: checked again next round
-            elif remeasure and self.gate is not None and self.gate.favours_off(bucket, queued):
-                stale = []  # drafting loses here by wall time: its costs can wait
+            elif stale and self.gate is not None and self.gate.favours_off(bucket, queued):
+                # Drafting loses here by wall time (or, with requests waiting, is presumed
+                # to until measured): its costs can wait, the first measurement's too.
+                stale = []
             elif remeasure and stale[0] == self.anchors[-1]:  # one cycle: the longest anchor
                 c.remeasures += 1
                 # Back off while nothing paid here since the last cycle, once two cycles
@@ -743,12 +745,16 @@ class SpeculationLength:
         d.batch_size = batch_size
         if forced is not None:
             return forced
+        # Measured (or, with requests waiting, presumed): drafting loses at this batch size
+        # now. Before any probe: a probe's rounds draft every row of the domain, which would
+        # take rows back into the draft (a prefill each) and set them apart from the rest
+        # of the batch, where drafting was decided against.
+        if not self._open:
+            d.k = 0
+            return 0
         if self._round < d.probe_until:
             d.k = self.probe_k
             return self.probe_k
-        if not self._open:  # measured: drafting loses at this batch size now
-            d.k = 0
-            return 0
         k = self.predicted_k(domain, batch_size)
         d.k = k
         if k > 0:

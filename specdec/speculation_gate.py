@@ -3,21 +3,22 @@
 :class:`specdec.policy.SpeculationLength` predicts each row's goodput from acceptance
 and per-round costs: ``E(α̂, k) / T(b, k)`` against ``1 / T(b, 0)``. That is right per
 row, but a round is not the whole story. Speculating rows finish their requests on
-different rounds, so new requests are admitted (and prefilled) one by one between rounds
-instead of together, and a slot a request just left waits a round for the next one; on a
-shared host the draft's cores are the frontend's too. None of that is in ``T``. Measured
+different rounds, so new requests are admitted one by one between rounds instead of
+together, and a slot a request just left waits a round for the next one; on a shared
+host the draft's cores are the frontend's too. None of that is in ``T``. Measured
 on the demo pair at 16 rows, the prediction said +10 % where the engine committed 7-13 %
 fewer tokens per second than without speculation.
 
 So this gate measures the thing itself: committed tokens per wall second of the engine's
-loop (each round with the admissions and prefills before it), separately for rounds that
-drafted and rounds that did not, per bucket (and apart while requests wait for a slot).
-Once both are known, the better one is taken, drafting only where it measured
-``min_gain`` faster; now and then the other is run for ``compare_rounds`` rounds,
-measured afresh, to keep its figure current (conditions change: load, prompts, the batch
-mix): every ``compare_every`` rounds, doubling while each measurement confirms the
-choice. A closed gate keeps the length policy's rows at k = 0; requests that set their
-own k are not asked.
+loop (each round with the work before it, less the prefills of admitted requests:
+``RoundStats.decode_wall_s``), separately for rounds that drafted and rounds that did
+not, per bucket (and apart while requests wait for a slot). Once both are known, the
+better one is taken, drafting only where it measured ``min_gain`` faster; now and then
+the other is run for ``compare_rounds`` rounds, measured afresh, to keep its figure
+current (conditions change: load, prompts, the batch mix): every ``compare_every``
+rounds, doubling while each measurement confirms the choice. Drafting runs first, except
+while requests wait for a slot (:meth:`SpeculationGate._first_choice`). A closed gate
+keeps the length policy's rows at k = 0; requests that set their own k are not asked.
 Pure: no clocks, no torch.
 """
 
@@ -118,7 +119,7 @@ class SpeculationGate:
         the batch-size ``bucket`` (:func:`batch_bucket`); ``queued``:
         requests wait for a slot (measured apart from the same bucket without)."""
         c = self.config
-        g = self._gates.setdefault((bucket, queued), _Gate(every=c.compare_every))
+        g = self._gate(bucket, queued)
         g.planned += 1
         self.trialling = g.trial is not None
         if g.trial is not None:
@@ -127,14 +128,15 @@ class SpeculationGate:
             if g.trial_left <= 0:
                 g.trial = None
             return choice
-        if g.rounds[True] < c.min_rounds:
-            return True  # speculation's own figure first (the length policy may still say 0)
-        if g.rounds[False] < c.min_rounds:
+        first = self._first_choice(bucket, queued)
+        if g.rounds[first] < c.min_rounds:
+            return first  # (drafting: the length policy may still say 0)
+        if g.rounds[not first] < c.min_rounds:
             # Measured at most once per compare_every rounds: a trial whose rounds were not
-            # observed (other rows set their lengths) leaves the gate open meanwhile.
+            # observed (other rows set their lengths) leaves the first choice meanwhile.
             if g.planned < g.next_compare:
-                return True
-            return self._trial(g, False)
+                return first
+            return self._trial(g, not first)
         best = self._drafting_pays(g, bucket, queued)
         if g.best is not None and g.planned >= g.next_compare:
             # The last measurement of the other choice confirmed this one: wait longer.
@@ -145,23 +147,45 @@ class SpeculationGate:
             g.best, g.next_compare = best, g.planned + g.every
         return best
 
+    def _first_choice(self, bucket: int, queued: bool) -> bool:
+        """The choice a state runs (and measures) first: drafting, except with requests
+        waiting for a slot in a bucket where drafting must show a margin. There the
+        engine's throughput is all that counts, and drafting must measure
+        ``min_gain_queued`` faster, which it rarely does on a host where the draft shares
+        the cores (at 64 concurrent requests on the demo pair it won 6 % of the saturated
+        rounds); measuring it first cost every fresh server its first rounds at the
+        longest k, and its first trial waits ``compare_every`` rounds."""
+        return not (queued and bucket >= batch_bucket(self.config.min_gain_from))
+
+    def _gate(self, bucket: int, queued: bool) -> _Gate:
+        """The figures of one state, created at the first call (a state measuring not
+        drafting first tries drafting after ``compare_every`` rounds, not at once)."""
+        key = (bucket, queued)
+        if key not in self._gates:
+            every = self.config.compare_every
+            later = 0 if self._first_choice(bucket, queued) else every
+            self._gates[key] = _Gate(every=every, next_compare=later)
+        return self._gates[key]
+
     def new_draft(self) -> None:
         """New draft weights: what drafting rounds measured is stale in every bucket
-        (the rounds without drafts still are what they were); drafting is measured first."""
+        (the rounds without drafts still are what they were); drafting is measured next
+        (first, or in a trial at once where not drafting runs first)."""
         for g in self._gates.values():
             g.forget(True)
             g.trial, g.trial_left, g.best = None, 0, None
+            g.every, g.next_compare = self.config.compare_every, g.planned
 
     def favours_off(self, bucket: int, queued: bool = False) -> bool:
         """Whether the bucket's figures say drafting loses (while one is being measured
         afresh: what they said before): the length policy then skips re-measuring its
         costs, which drafting would pay for."""
         g = self._gates.get((bucket, queued))
-        if g is None:
-            return False
-        if min(g.rounds.values()) >= self.config.min_rounds:
+        if g is not None and min(g.rounds.values()) >= self.config.min_rounds:
             return not self._drafting_pays(g, bucket, queued)
-        return g.best is False
+        if g is not None and g.best is not None:
+            return not g.best
+        return not self._first_choice(bucket, queued)  # nothing decided yet: the prior
 
     def _drafting_pays(self, g: _Gate, bucket: int, queued: bool) -> bool:
         """Whether drafting measured faster than not, by ``min_gain`` (``min_gain_queued``
@@ -193,7 +217,7 @@ class SpeculationGate:
         if seconds <= 0:
             return
         d = self.config.decay
-        g = self._gates.setdefault((bucket, queued), _Gate(every=self.config.compare_every))
+        g = self._gate(bucket, queued)
         g.tokens[drafted] = d * g.tokens[drafted] + tokens
         g.seconds[drafted] = d * g.seconds[drafted] + seconds
         g.rounds[drafted] += 1

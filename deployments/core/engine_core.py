@@ -137,6 +137,7 @@ class EngineCore:
         self._hold = OutputHold()  # final-only requests' outputs until they end
         self._verify_avg: float | None = None
         self._last_round_end: float | None = None  # perf_counter at the last round's end
+        self._prefill_s = 0.0  # admissions' prefills since then [s]
         self.timings = RoundTimings()
         self._paused_base = self._resumed_base = 0  # scheduler counts at the last reset
         self.error: str | None = None
@@ -467,7 +468,10 @@ class EngineCore:
         if batch:
             self.scheduler.take_drift_alerts(self._take_alerts())
         items: list[DraftItem] = []
-        for sid in self._isolated(batch, self._prefill):
+        t_prefill = time.perf_counter()
+        started = self._isolated(batch, self._prefill)
+        self._prefill_s += time.perf_counter() - t_prefill
+        for sid in started:
             seq = self.scheduler.running[sid]
             if seq.state.finished:
                 self._free(sid)
@@ -643,7 +647,8 @@ class EngineCore:
         stats.total_s = now - t_round
         since = self._last_round_end
         stats.wall_s = stats.total_s if since is None else now - since
-        self._last_round_end = now
+        stats.prefill_s = 0.0 if since is None else self._prefill_s  # (idle: not in wall_s)
+        self._last_round_end, self._prefill_s = now, 0.0
         self._record(stats)
 
     def _gather(self) -> tuple[dict[Hashable, PushedDraft], RoundStats]:

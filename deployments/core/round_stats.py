@@ -20,7 +20,7 @@ class RoundTimings:
     bit of the critical path that is neither model work nor waiting for the draft.
     ``wall_s`` runs from one round's end to the next's (idle time excluded): what a round
     costs the loop, the time between rounds (admissions, the loop thread's wait for the
-    interpreter) included.
+    interpreter) included; ``prefill_s`` the part of it spent prefilling admitted requests.
     """
 
     rounds: int = 0
@@ -29,6 +29,7 @@ class RoundTimings:
     verify_s: float = 0.0
     overhead_s: float = 0.0  # the sum of each round's RoundStats.overhead_s
     wall_s: float = 0.0  # the sum of each round's RoundStats.wall_s
+    prefill_s: float = 0.0  # ... of which admissions' prefills (RoundStats.prefill_s)
     rows: int = 0  # sequence-rounds
     drafted_rows: int = 0  # sequence-rounds that carried drafts
     hits: int = 0  # ... whose drafts were prepared ahead (speculation-cache hits)
@@ -56,6 +57,7 @@ class RoundTimings:
         self.total_s += stats.total_s
         self.overhead_s += stats.overhead_s
         self.wall_s += stats.wall_s
+        self.prefill_s += stats.prefill_s
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -302,7 +302,7 @@ class Scheduler:
                     stats.batch_size,
                     stats.planned_k > 0,
                     stats.committed,
-                    stats.wall_s,
+                    stats.decode_wall_s,
                     queued=self._queued_running,  # the state its plan was made in
                 )
 
@@ -314,5 +314,5 @@ class Scheduler:
         for row in stats.rows:
             if row.auto_method:
                 self.choice.observe(
-                    row.domain, stats.batch_size, row.method, row.committed, stats.wall_s
+                    row.domain, stats.batch_size, row.method, row.committed, stats.decode_wall_s
                 )

@@ -245,3 +245,19 @@ def test_a_cost_measurement_and_the_round_after_it_are_not_representative():
     assert all(flags[i][1] for i in after)
     free = [m for i, (f, m) in enumerate(flags) if not f and i - 1 not in forced_rounds]
     assert free and not any(free), flags
+
+
+def test_the_gate_compares_rounds_without_the_prefills_of_admissions():
+    """A burst of admissions prefilled before a round is the same work whichever choice
+    ran: the gate is told the round's wall time less it (the twin, the whole wall time,
+    would rate the round 25 times slower)."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4))
+    sched = Scheduler(max_num_seqs=4, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    sched.plan_round(2, [])
+    stats = RoundStats(2, 0, False, total_s=0.01, wall_s=0.5, prefill_s=0.48, policy_rows=True)
+    stats.rows = [RowOutcome("d", 0, 0, False, 1, True)] * 2
+    sched.observe_round(stats)
+    gate = policy.gate._gates[(batch_bucket(2), False)]
+    assert gate.rate(False) == pytest.approx(2 / 0.02)
+    assert stats.decode_wall_s == pytest.approx(0.02)
+    assert RoundStats(2, 0, False, total_s=0.01, wall_s=0.011, prefill_s=0.5).decode_wall_s == 0.01

@@ -172,3 +172,74 @@ def test_one_sequence_needs_no_margin_queued_or_not(queued):
             assert share > 0.9
         elif queued:
             assert share < 0.1  # 1.2x < 1.25x
+
+
+def test_a_saturated_state_runs_without_drafts_first_and_tries_drafting_later():
+    """With requests waiting (from min_gain_from sequences), not drafting is the first
+    choice, by decision (not a measurement), and drafting is first tried compare_every
+    rounds in; where it then measures min_gain_queued faster, the gate opens. The same
+    bucket without a queue, and one sequence with one, draft first."""
+    config = GateConfig(compare_every=100, min_gain_queued=0.25)
+    gate = SpeculationGate(config)
+    assert gate.favours_off(5, queued=True)
+    assert not gate.favours_off(5) and not gate.favours_off(1, queued=True)
+    first = []
+    for _ in range(config.compare_every - 1):
+        first.append(gate.is_open(5, queued=True))
+        assert not gate.trialling
+        gate.observe(5, first[-1], 16, 16 / 800.0, queued=True)
+    assert not any(first)
+    trial = []
+    for _ in range(config.compare_rounds):
+        trial.append(gate.is_open(5, queued=True))
+        assert gate.trialling
+        gate.observe(5, trial[-1], 16, 16 / (1.5 * 800.0), queued=True)
+    assert all(trial)
+    after = []
+    for _ in range(300):
+        after.append(gate.is_open(5, queued=True))
+        gate.observe(5, after[-1], 16, 16 / (1.5 * 800.0 if after[-1] else 800.0), queued=True)
+    assert sum(after) / 300 > 0.9 and not gate.favours_off(5, queued=True)
+    assert gate.is_open(5) and gate.is_open(1, queued=True)  # the twins: drafting first
+
+
+def test_new_draft_weights_are_tried_at_once_in_a_saturated_state():
+    """A saturated state that measured drafting losing tries new draft weights in the
+    next round (a trial), not after its doubled interval between comparisons."""
+    gate = SpeculationGate(GateConfig(compare_every=100))
+    for _ in range(1000):
+        on = gate.is_open(5, queued=True)
+        gate.observe(5, on, 16, 16 / (700.0 if on else 800.0), queued=True)
+    assert not gate.is_open(5, queued=True)
+    gate.new_draft()
+    assert gate.is_open(5, queued=True) and gate.trialling
+
+
+def test_the_length_policy_waits_to_measure_costs_where_the_gate_favours_off():
+    """A fresh saturated bucket runs no cost measurement (its rounds at k = 12 would cost
+    the most exactly where drafting is presumed to lose); the same bucket without a
+    queue measures k = 0 first."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=12))
+    assert policy.plan_round(16, {"default"}, queued=True) is None
+    assert policy.gate_closed
+    assert policy.plan_round(16, {"default"}, queued=False) == 0
+
+
+def test_a_closed_gate_holds_the_domain_probes_back():
+    """A domain the prediction disabled is probed for probe_rounds every probe_every
+    rounds, but not where the gate is closed: a probe that began at one sequence does not
+    go on in a saturated batch the gate keeps at k = 0 (the wrong twin, probes first,
+    drafts its rows)."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=6, probe_every=20, probe_rounds=4))
+    ks = []
+    for _ in range(400):  # acceptance 0: the prediction says k = 0 at one sequence
+        forced = policy.plan_round(1, {"d"})
+        ks.append(policy.choose("d", 1, forced=forced))
+        policy.observe_round("d", ks[-1], 0)
+        policy.observe_round_time(1, ks[-1], 0.01 * (1 + ks[-1]), [("d", ks[-1], 0)])
+        if len(ks) > 100 and ks[-2:] == [0, policy.probe_k]:
+            break  # a probe just began
+    assert ks[-2:] == [0, policy.probe_k] and policy.alpha("d") < 0.05
+    policy.plan_round(16, {"d"}, queued=True)  # closed: not drafting runs first here
+    assert policy.gate_closed
+    assert policy.choose("d", 16) == 0
