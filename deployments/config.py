@@ -250,12 +250,13 @@ class SpeculationConfig(_Strict):
     policy_gate: bool = Field(
         default=True,
         description="'goodput' policy: also measure, per batch size, committed tokens per "
-        "wall second of the engine's rounds with and without drafting (the admissions and "
-        "prefills between rounds included) and keep the policy's rows at k = 0 unless "
-        "drafting measured 10 % faster (from 2 sequences; 25 % while requests wait for a "
-        "slot, measured apart), measuring the other choice again now and then "
-        "(specdec/speculation_gate.py); rows admitted while it is closed are not sent to "
-        "the draft. False: the per-row prediction alone decides.",
+        "wall second of the engine's rounds with and without drafting (the work between "
+        "rounds included, admitted requests' prefills not) and keep the policy's rows at "
+        "k = 0 unless drafting measured 10 % faster (from 2 sequences; 25 % while requests "
+        "wait for a slot, a state measured apart that starts without drafting), measuring "
+        "the other choice again now and then (specdec/speculation_gate.py); rows admitted "
+        "while it is closed are not sent to the draft. False: the per-row prediction alone "
+        "decides.",
     )
 
     proposers: list[Literal["draft_model", "ngram"]] = Field(

@@ -324,6 +324,10 @@ class _Costs:
         by_k[k] = value if n == 0 else w * by_k[k] + (1 - w) * value
         self.samples[key] = n + 1
 
+    def has_k(self) -> bool:
+        """Whether some k > 0 has a measured round time (else no k can be predicted)."""
+        return any(k > 0 for k in self.seconds)
+
     def forget(self, k: int) -> None:
         """Drop what is known at ``k`` (a re-measurement replaces it; the survival counts
         stay: every round keeps those of the positions it reached current)."""
@@ -407,7 +411,9 @@ class SpeculationLength:
     Rounds are measured as they come; in each bucket a few rounds are run at each of
     ``k = 0``, 1 and ``max_k`` first (every policy-driven row of the round at that k,
     :meth:`plan_round`) and again every ``remeasure_every`` rounds, so that the costs of
-    the choices not taken stay current. ``k = 0`` wins when no k is predicted to pay. A
+    the choices not taken stay current; none of these run while the gate says (or, with
+    requests waiting, presumes) that drafting loses in the bucket, and until a k > 0 has
+    a measured time rows draft ``default_k``. ``k = 0`` wins when no k is predicted to pay. A
     disabled domain is re-probed with ``probe_k`` for ``probe_rounds`` engine rounds every
     ``probe_every``, so a domain whose traffic recovers gets speculation back
     while a losing one costs at most ``probe_rounds / probe_every`` of its rounds. A drift
@@ -646,8 +652,9 @@ class SpeculationLength:
         self, batch_size: int, drafted: bool, tokens: int, seconds: float, queued: bool = False
     ) -> None:
         """A round (not a cost measurement, every row's k the policy's) committed
-        ``tokens`` in ``seconds`` of the loop's wall time, the admissions and prefills
-        before it included; ``drafted``: whether its rows were asked for drafts;
+        ``tokens`` in ``seconds`` of the loop's wall time, the work before it included but
+        admitted requests' prefills (``RoundStats.decode_wall_s``); ``drafted``: whether
+        its rows were asked for drafts;
         ``queued``: requests waited for a slot. What the gate decides from."""
         if self.gate is not None:
             self.gate.observe(batch_bucket(batch_size), drafted, tokens, seconds, queued)
@@ -703,7 +710,9 @@ class SpeculationLength:
         """The goodput-maximising k from what is measured (``default_k`` until then)."""
         alpha = self.alpha(domain)
         t0 = self.round_time(batch_size, 0)
-        if alpha is None or t0 is None:
+        # (k = 0 alone measured, e.g. while the gate kept drafting's costs waiting, says
+        # nothing of any k: its trial of drafting must draft)
+        if alpha is None or t0 is None or not self._costs[batch_bucket(batch_size)].has_k():
             return self.default_k
         best, best_rate = 0, (1.0 + self.min_gain) / t0  # speculation must clearly pay
         for k in range(1, self.max_k + 1):

@@ -37,11 +37,11 @@ class GateConfig:
     """The settings of :class:`SpeculationGate` (rounds: engine rounds of one bucket)."""
 
     # Rounds one measurement of the choice not running lasts (its rounds at k = 0 do not
-    # count towards the scheduler's pause of a row). A round that admits and prefills a
-    # burst of requests costs several plain rounds, and lands in whichever choice ran:
-    # with 6-round measurements (4 for drafting's first) the figures of one server at 16
-    # rows read drafting at 488 to 1179 tokens/s against 835 to 1097 without, and the
-    # choice at each comparison was a coin toss (64 concurrent, bench.policy --shipped).
+    # count towards the scheduler's pause of a row). With 6-round measurements (4 for
+    # drafting's first) the figures of one server at 16 rows read drafting at 488 to 1179
+    # tokens/s against 835 to 1097 without, and the choice at each comparison was a coin
+    # toss (64 concurrent, bench.policy --shipped; then with admissions' prefills, which
+    # RoundStats.decode_wall_s now leaves out).
     compare_rounds: int = 12
     compare_every: int = 128  # rounds between such measurements, at first ...
     max_compare_every: int = 2048  # ... doubling up to this while they confirm the choice
@@ -129,14 +129,18 @@ class SpeculationGate:
                 g.trial = None
             return choice
         first = self._first_choice(bucket, queued)
-        if g.rounds[first] < c.min_rounds:
-            return first  # (drafting: the length policy may still say 0)
-        if g.rounds[not first] < c.min_rounds:
+        if g.best is None and g.rounds[first] < c.min_rounds:
+            return first  # (drafting may still run at k = 0: the length policy's choice)
+        missing = [choice for choice in (first, not first) if g.rounds[choice] < c.min_rounds]
+        if missing:
             # Measured at most once per compare_every rounds: a trial whose rounds were not
-            # observed (other rows set their lengths) leaves the first choice meanwhile.
+            # observed (other rows set their lengths) leaves the last decision (before any,
+            # the first choice) meanwhile.
             if g.planned < g.next_compare:
-                return first
-            return self._trial(g, not first)
+                return first if g.best is None else g.best
+            if g.best is not None:  # the last measurement yielded no figure: less often
+                g.every = min(2 * g.every, c.max_compare_every)
+            return self._trial(g, missing[0])
         best = self._drafting_pays(g, bucket, queued)
         if g.best is not None and g.planned >= g.next_compare:
             # The last measurement of the other choice confirmed this one: wait longer.
@@ -178,8 +182,9 @@ class SpeculationGate:
 
     def favours_off(self, bucket: int, queued: bool = False) -> bool:
         """Whether the bucket's figures say drafting loses (while one is being measured
-        afresh: what they said before): the length policy then skips re-measuring its
-        costs, which drafting would pay for."""
+        afresh: what they said before; before any decision, whether drafting is not the
+        state's first choice): the length policy then skips measuring its costs, which
+        drafting would pay for."""
         g = self._gates.get((bucket, queued))
         if g is not None and min(g.rounds.values()) >= self.config.min_rounds:
             return not self._drafting_pays(g, bucket, queued)

@@ -16,6 +16,7 @@ from deployments.messages import (
     PushedDraft,
 )
 from specdec.policy import LengthPolicyConfig, SpeculationLength, batch_bucket
+from specdec.proposer_choice import ProposerChoice, ProposerChoiceConfig
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 from specdec.speculation_gate import GateConfig
@@ -252,12 +253,17 @@ def test_the_gate_compares_rounds_without_the_prefills_of_admissions():
     ran: the gate is told the round's wall time less it (the twin, the whole wall time,
     would rate the round 25 times slower)."""
     policy = SpeculationLength(LengthPolicyConfig(max_k=4))
-    sched = Scheduler(max_num_seqs=4, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    choice = ProposerChoice(ProposerChoiceConfig())
+    sched = Scheduler(
+        max_num_seqs=4, max_model_len=1000, draft_max_model_len=1000, policy=policy, choice=choice
+    )
     sched.plan_round(2, [])
     stats = RoundStats(2, 0, False, total_s=0.01, wall_s=0.5, prefill_s=0.48, policy_rows=True)
-    stats.rows = [RowOutcome("d", 0, 0, False, 1, True)] * 2
+    stats.rows = [RowOutcome("d", 0, 0, False, 1, True, auto_method=True)] * 2
     sched.observe_round(stats)
     gate = policy.gate._gates[(batch_bucket(2), False)]
     assert gate.rate(False) == pytest.approx(2 / 0.02)
+    # the proposer choice too: each row committed 1 token in the round's 0.02 s
+    assert choice.state()["d"][str(batch_bucket(2))]["goodput"]["draft_model"] == pytest.approx(50)
     assert stats.decode_wall_s == pytest.approx(0.02)
     assert RoundStats(2, 0, False, total_s=0.01, wall_s=0.011, prefill_s=0.5).decode_wall_s == 0.01

@@ -243,3 +243,42 @@ def test_a_closed_gate_holds_the_domain_probes_back():
     policy.plan_round(16, {"d"}, queued=True)  # closed: not drafting runs first here
     assert policy.gate_closed
     assert policy.choose("d", 16) == 0
+
+
+def test_an_unobserved_measurement_leaves_the_gate_at_its_decision():
+    """A measurement of not drafting whose rounds nobody observed (other rows set their
+    lengths) leaves a saturated state where drafting won open until the next comparison
+    (the first choice there is not drafting: falling back to it would close the gate)."""
+    config = GateConfig(compare_every=50, max_compare_every=50, min_gain_queued=0.25)
+    gate = SpeculationGate(config)
+    for _ in range(200):  # drafting measured 1.5x: open
+        on = gate.is_open(5, queued=True)
+        gate.observe(5, on, 16, 16 / (1200.0 if on else 800.0), queued=True)
+    for _ in range(100):  # on to a measurement of not drafting, whose rounds go unobserved
+        if not gate.is_open(5, queued=True) and gate.trialling:
+            break
+    assert gate.trialling
+    for _ in range(config.compare_rounds - 1):
+        assert not gate.is_open(5, queued=True)
+    after = [gate.is_open(5, queued=True) for _ in range(30)]
+    assert all(after)
+
+
+def test_a_saturated_states_first_trial_of_drafting_drafts():
+    """The length policy measured only k = 0 in a saturated bucket (its cost measurements
+    wait while the gate presumes drafting loses): when the gate tries drafting, rows draft
+    default_k, not the k = 0 the lone measured length would predict."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=6))
+    for _ in range(50):  # acceptance learnt at one sequence (0.8)
+        k = policy.choose("d", 1, forced=policy.plan_round(1, {"d"}))
+        policy.observe_round("d", k, int(0.8 * k))
+        policy.observe_round_time(1, k, 0.005 * (1 + k), [("d", k, int(0.8 * k))])
+    assert policy.alpha("d") is not None
+    ks = []
+    for _ in range(GateConfig().compare_every):
+        assert policy.plan_round(16, {"d"}, queued=True) is None
+        ks.append(policy.choose("d", 16))
+        policy.observe_round_time(16, ks[-1], 0.012, [("d", ks[-1], 0)])
+        policy.observe_round_wall(16, ks[-1] > 0, 16, 0.012, queued=True)
+    assert policy.gate.trialling  # the last round: the gate's first trial of drafting
+    assert ks[-1] == policy.default_k and not any(ks[:-1])
