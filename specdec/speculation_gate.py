@@ -159,7 +159,11 @@ class SpeculationGate:
         the cores (at 64 concurrent requests on the demo pair it won 6 % of the saturated
         rounds); measuring it first cost every fresh server its first rounds at the
         longest k, and its first trial waits ``compare_every`` rounds."""
-        return not (queued and bucket >= batch_bucket(self.config.min_gain_from))
+        return not (queued and self._has_margin(bucket))
+
+    def _has_margin(self, bucket: int) -> bool:
+        """Whether drafting must measure a margin faster in ``bucket`` (``min_gain_from``)."""
+        return bucket >= batch_bucket(self.config.min_gain_from)
 
     def _gate(self, bucket: int, queued: bool) -> _Gate:
         """The figures of one state, created at the first call (a state measuring not
@@ -198,7 +202,7 @@ class SpeculationGate:
         rates known."""
         c = self.config
         margin = 0.0  # one sequence: see min_gain_from
-        if bucket >= batch_bucket(c.min_gain_from):
+        if self._has_margin(bucket):
             margin = c.min_gain_queued if queued else c.min_gain
         return g.rate(True) >= (1.0 + margin) * g.rate(False)
 
