@@ -10,7 +10,8 @@ the tiny random model pair:
   mixed, shuffled workload: greedy rows, T=1 rows, T=0.8 top-k/top-p rows, seeded rows
   and rows whose requests ask for k = 1..4 (ragged draft counts at T > 0 in one batch),
   and T=1 rows without a k of their own, whose k the goodput length policy chooses round
-  by round from what it measured (``speculation.policy: goodput``, the product default),
+  by round from what it measured (``speculation.policy: goodput``, the product default,
+  its wall-clock gate off: see ``engine_run``),
   and T=1 rows that name ``method: ngram`` (drafted by prompt lookup in the core, q a
   point mass, their step laws computed against the looked-up token);
 * ``L = 7`` output tokens per request: the prefill token and then rounds of up to
@@ -192,6 +193,13 @@ def engine_run(request, ray_local, tiny_target, tiny_draft):
             "speculation": {
                 "mode": "sequential" if colocated else "overlap",
                 "policy": "goodput",  # for the "auto" rows; every other row sets its k
+                # The gate hears only rounds whose rows all run the policy's k, which this
+                # mixed workload never has; blind, its queued state keeps its prior (no
+                # drafts) and the "auto" rows would draft only in the unqueued tail, if at
+                # all. Off, the per-row policy decides, and its rows draft: the law under
+                # test. (The gate only ever holds rows at k = 0: test_speculation_gate.py,
+                # test_scheduler.py.)
+                "policy_gate": False,
                 "num_speculative_tokens": K,
                 "speculation_width": 4,
                 "adaptive_overlap": False,  # tiny models: keep speculating so hits happen
