@@ -8,7 +8,9 @@
 ``cluster/serve/demo.yaml`` as it is (only the ports changed), a **fresh** application for
 every concurrency, prompts the recipe never saw (:mod:`bench.heldout`: third-party Python
 and licence texts), waves of c concurrent 64-token greedy requests alternating between
-the default (the config's policy) and speculation off, the order rotated every pair. Each
+the default (the config's policy) and speculation off, the order rotated every pair and
+both waves of a pair sending the same prompts (``default_over_off_paired``: the median of
+the pairs' ratios; ``default_over_off``: the ratio of the modes' median waves). Each
 application is used once ``/health`` says ok, as ``make serve`` waits for it (its graphs
 compiled; the seconds are recorded as ``startup_s``). Every wave counts, the first
 included: the ratio is what a user gets from the first minute, learning and all. Per
@@ -177,8 +179,10 @@ async def measure_shipped(url: str, deploy, args) -> dict:
             waves = []
             for pair in range(args.waves):
                 order = ("default", "off") if pair % 2 == 0 else ("off", "default")
+                # Both waves of a pair send the same prompts (greedy: the same tokens), so
+                # a pair's ratio compares the modes on equal work; each pair sends others.
+                start = (pair * requests * 7919 + c) % len(prompts)
                 for mode in order:
-                    start = (len(waves) * requests * 7919 + c) % len(prompts)
                     w = await shipped_wave(http, prompts, mode, c, requests, args.max_tokens, start)
                     waves.append(w)
                     print(
@@ -196,11 +200,20 @@ async def measure_shipped(url: str, deploy, args) -> dict:
                 "default_over_off": round(median(rate["default"]) / median(rate["off"]), 3),
                 "default_over_off_total": round(sum(rate["default"]) / sum(rate["off"]), 3),
                 "default_over_off_first_pair": round(pairs[0][0] / pairs[0][1], 3),
+                # Paired: per pair (same prompts, back to back), then the median; a machine
+                # whose speed drifts over the run moves both waves of a pair alike.
+                "default_over_off_paired": round(median([d / o for d, o in pairs]), 3),
+                "pair_ratios": [round(d / o, 3) for d, o in pairs],
                 "default_settled_after_waves": settled_after(default),
                 "startup_s": startup_s,
                 "waves": waves,
             }
-            print(f"c={c}: default/off {out[str(c)]['default_over_off']}", flush=True)
+            r = out[str(c)]
+            print(
+                f"c={c}: default/off {r['default_over_off']}, "
+                f"paired {r['default_over_off_paired']} {r['pair_ratios']}",
+                flush=True,
+            )
     return out
 
 
