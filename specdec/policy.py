@@ -302,7 +302,7 @@ class _Costs:
     last: dict[int, int] = field(default_factory=dict)  # k -> round of its last measurement
     tries: dict[int, int] = field(default_factory=dict)  # k -> rounds forced to measure it
     tries_at: dict[int, int] = field(default_factory=dict)  # k -> round of its last forcing
-    rounds: int = 0  # rounds planned in this bucket
+    rounds: int = 0  # rounds planned in this bucket that could use its costs: their age
     forced: int | None = None  # the k a measurement runs at
     forced_left: int = 0
     # Rounds between re-measurements: doubles while the bucket's choice stays k = 0 (a
@@ -364,7 +364,9 @@ class LengthPolicyConfig:
     # replace the old values rather than average with them.
     cost_decay: float = 0.95
     explore_rounds: int = 3  # rounds measured at each anchor k before the costs are used
-    remeasure_every: int = 256  # rounds of a bucket between re-measurements of the anchors
+    # Rounds of a bucket that could use its costs (SpeculationLength._ages_costs) between
+    # re-measurements of the anchors.
+    remeasure_every: int = 256
     probe_every: int = 128  # rounds between re-probes of a domain at k = 0
     probe_rounds: int = 4  # rounds one re-probe lasts
     probe_k: int = 1  # the k a re-probe runs at (kept within [1, max(1, max_k)]) [tokens]
@@ -410,16 +412,16 @@ class SpeculationLength:
 
     Rounds are measured as they come; in each bucket a few rounds are run at each of
     ``k = 0``, 1 and ``max_k`` first (every policy-driven row of the round at that k,
-    :meth:`plan_round`) and again every ``remeasure_every`` rounds, so that the costs of
-    the choices not taken stay current; none of these run while the gate says (or, with
-    requests waiting, presumes) that drafting loses in the bucket, and until a k > 0 has
-    a measured time rows draft ``default_k``. ``k = 0`` wins when no k is predicted to pay. A
-    disabled domain is re-probed with ``probe_k`` for ``probe_rounds`` engine rounds every
-    ``probe_every``, so a domain whose traffic recovers gets speculation back
-    while a losing one costs at most ``probe_rounds / probe_every`` of its rounds. A drift
-    alert (:meth:`on_drift`) replaces the domain's history with the detector's recent
-    estimate, so the next choice already reflects it. A request that sets its own k is
-    not asked about. Its settings: :class:`LengthPolicyConfig`.
+    :meth:`plan_round`) and again every ``remeasure_every`` rounds that could use them,
+    so that the costs of the choices not taken stay current; none of these run while the
+    gate says (or, with requests waiting, presumes) that drafting loses in the bucket, and
+    until a k > 0 has a measured time rows draft ``default_k``. ``k = 0`` wins when no k is
+    predicted to pay. A disabled domain is re-probed with ``probe_k`` for ``probe_rounds``
+    engine rounds every ``probe_every``, so a domain whose traffic recovers gets
+    speculation back while a losing one costs at most ``probe_rounds / probe_every`` of
+    its rounds. A drift alert (:meth:`on_drift`) replaces the domain's history with the
+    detector's recent estimate, so the next choice already reflects it. A request that
+    sets its own k is not asked about. Its settings: :class:`LengthPolicyConfig`.
     """
 
     def __init__(self, config: LengthPolicyConfig):
@@ -581,7 +583,8 @@ class SpeculationLength:
         self._round += 1
         c = self._bucket(batch_size)
         bucket = batch_bucket(batch_size)
-        c.rounds += 1
+        if self._ages_costs(bucket, domains, queued):
+            c.rounds += 1
         if c.forced_left <= 0:
             c.forced = None
             stale = self._stale_anchors(c)
@@ -619,12 +622,25 @@ class SpeculationLength:
         c.forced_left -= 1
         return c.forced
 
+    def _ages_costs(self, bucket: int, domains: Collection[str] | None, queued: bool) -> bool:
+        """Whether a round of ``bucket`` counts towards its costs' age: one that could use
+        them, with rows of the policy's (``domains``; None: unknown, counted) in a state
+        whose gate is not against drafting. Counting every round, at 32 and 64 concurrent
+        requests on the demo pair the costs of 16 rows went stale during each wave's
+        saturated rounds (gate closed) and the waves of requests that turned speculation
+        off, and were measured again at the start of every wave's unsaturated tail: 4
+        rounds at k = 12 of 16 rows, each ~80 ms for what plain rounds commit in ~60, and
+        4 at k = 1, some 4 % of the wave (bench.policy --shipped, a round log)."""
+        if domains is not None and not domains:
+            return False
+        return self.gate is None or not self.gate.favours_off(bucket, queued)
+
     def _stale_anchors(self, c: _Costs) -> list[int]:
         """The anchors of bucket ``c`` due a cost measurement, in anchor order. A forced
         round may not measure its k (rows with their own k set the round's length): an
         anchor is forced at most 2 x explore_rounds times before it has data, then again
-        only when its data is remeasure_every rounds old, so rows outside the policy can
-        never hold the policy's rows at one k."""
+        only when its data is remeasure_every rounds old (:meth:`_ages_costs`), so rows
+        outside the policy can never hold the policy's rows at one k."""
         return [
             k
             for k in self.anchors

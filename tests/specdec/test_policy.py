@@ -297,6 +297,41 @@ def test_no_remeasurement_while_no_domain_of_the_round_could_ever_pay():
     assert mixed[0] is not None  # long overdue: the next round with a payable domain
 
 
+class _AgesEveryRound(SpeculationLength):
+    """Wrong twin: every round of a bucket ages its costs (the policy before 2026-11-29)."""
+
+    def _ages_costs(self, bucket, domains, queued) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("cls", [SpeculationLength, _AgesEveryRound])
+def test_costs_age_only_in_rounds_that_could_use_them(cls):
+    """Rounds without the policy's rows (requests that set their own k or turned
+    speculation off) and rounds where the gate is against drafting (with requests waiting:
+    its prior) do not make the bucket's costs stale, so the next round that could use them
+    drafts as chosen instead of re-measuring at k = 1 and max_k; rounds that could use
+    them still do. The twin re-measures at once."""
+    policy = cls(LengthPolicyConfig(max_k=6, default_k=3, explore_rounds=2, remeasure_every=20))
+
+    def run(rounds: int, domains: set[str], queued: bool = False) -> list[int | None]:
+        plans = []
+        for _ in range(rounds):
+            k = policy.plan_round(16, domains, queued=queued)
+            plans.append(k)
+            policy.observe_round_time(16, 0 if k is None else k, 1.0 + 0.1 * (k or 0))
+        return plans
+
+    assert run(6, {"d"}) == [0, 0, 1, 1, 6, 6]  # the first exploration
+    assert run(200, set()) == [None] * 200  # no policy rows
+    assert run(200, {"d"}, queued=True) == [None] * 200  # the gate's prior: off
+    after = run(40, {"d"})
+    if cls is _AgesEveryRound:
+        assert after[0] is not None  # long "overdue"
+    else:
+        assert after[:10] == [None] * 10
+        assert any(k is not None for k in after)  # ... and due after 20 such rounds
+
+
 def simulate(policy, batch_size, alpha, cost, rounds, seed=0, hidden=None):
     """A synthetic engine: ``batch_size`` rows of one domain; a round's critical path
     (what the length policy measures) is ``cost(b, k)``; accepted tokens drawn per row.
