@@ -180,8 +180,9 @@ async def measure_shipped(url: str, deploy, args) -> dict:
             for pair in range(args.waves):
                 order = ("default", "off") if pair % 2 == 0 else ("off", "default")
                 # Both waves of a pair send the same prompts (greedy: the same tokens), so
-                # a pair's ratio compares the modes on equal work; each pair sends others.
-                start = (pair * requests * 7919 + c) % len(prompts)
+                # a pair's ratio compares the modes on equal work; the next pair sends the
+                # next ones (wrapping around the held-out set).
+                start = (pair * requests + c) % len(prompts)
                 for mode in order:
                     w = await shipped_wave(http, prompts, mode, c, requests, args.max_tokens, start)
                     waves.append(w)

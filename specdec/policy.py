@@ -630,7 +630,9 @@ class SpeculationLength:
         saturated rounds (gate closed) and the waves of requests that turned speculation
         off, and were measured again at the start of every wave's unsaturated tail: 4
         rounds at k = 12 of 16 rows, each ~80 ms for what plain rounds commit in ~60, and
-        4 at k = 1, some 4 % of the wave (bench.policy --shipped, a round log)."""
+        4 at k = 1, some 4 % of the wave (bench.policy --shipped, a round log). So a
+        bucket closed for long opens on its old k > 0 costs (its gate's drafting trials
+        ran on them too); the k = 0 cost, observed in every plain round, stays current."""
         if domains is not None and not domains:
             return False
         return self.gate is None or not self.gate.favours_off(bucket, queued)

@@ -194,10 +194,11 @@ def engine_run(request, ray_local, tiny_target, tiny_draft):
                 "mode": "sequential" if colocated else "overlap",
                 "policy": "goodput",  # for the "auto" rows; every other row sets its k
                 # The gate hears only rounds whose rows all run the policy's k, which this
-                # mixed workload never has; blind, its queued state keeps its prior (no
-                # drafts) and the "auto" rows would draft only in the unqueued tail, if at
-                # all. Off, the per-row policy decides, and its rows draft: the law under
-                # test. (The gate only ever holds rows at k = 0: test_speculation_gate.py,
+                # mixed workload practically never has; blind, its queued state keeps its
+                # prior (no drafts) and the "auto" rows would draft only in the unqueued
+                # tail, if at all. Off, the per-row policy decides, and its rows draft: the
+                # law under test. (The gate holds rows at k = 0 and keeps rows admitted
+                # while it is closed from the draft: test_speculation_gate.py,
                 # test_scheduler.py.)
                 "policy_gate": False,
                 "num_speculative_tokens": K,
