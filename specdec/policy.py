@@ -653,6 +653,17 @@ class SpeculationLength:
             or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
         ]
 
+    def admitted(self, batch_size: int, queued: bool = False) -> None:
+        """Requests were admitted after the next round was planned: the round runs
+        ``batch_size`` rows (``queued``: requests still wait), and the admitted rows' first
+        k follows the gate's decision for that batch (:meth:`SpeculationGate.decision`),
+        not for the batch the round was planned at. An idle engine plans its next round
+        at the first request of a burst: at 16 concurrent requests on the demo pair every
+        wave's other 15 then drafted at k = 9-11 in the gate's open state of one sequence
+        (and went to the draft, a prefill each), in a bucket whose gate was closed."""
+        if self.gate is not None:
+            self._open, self._trialling = self.gate.decision(batch_bucket(batch_size), queued)
+
     @property
     def gate_closed(self) -> bool:
         """The gate keeps the policy's rows at k = 0 for the round being planned by its

@@ -151,6 +151,18 @@ class SpeculationGate:
             g.best, g.next_compare = best, g.planned + g.every
         return best
 
+    def decision(self, bucket: int, queued: bool = False) -> tuple[bool, bool]:
+        """(open, trialling) as the state stands, counting no round: its running
+        measurement's choice, else its last decision, else its first choice. For rows
+        admitted between rounds into a batch of another bucket than the one the round was
+        planned in (SpeculationLength.admitted)."""
+        g = self._gates.get((bucket, queued))
+        if g is not None and g.trial is not None:
+            return g.trial, True
+        if g is not None and g.best is not None:
+            return g.best, False
+        return self._first_choice(bucket, queued), False
+
     def _first_choice(self, bucket: int, queued: bool) -> bool:
         """The choice a state runs (and measures) first: drafting, except with requests
         waiting for a slot in a bucket where drafting must show a margin. There the

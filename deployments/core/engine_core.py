@@ -471,6 +471,8 @@ class EngineCore:
         t_prefill = time.perf_counter()
         started = self._isolated(batch, self._prefill)
         self._prefill_s += time.perf_counter() - t_prefill
+        if started:
+            self.scheduler.admitted()
         for sid in started:
             seq = self.scheduler.running[sid]
             if seq.state.finished:

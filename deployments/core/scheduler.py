@@ -109,6 +109,12 @@ class Scheduler:
         seq.auto = seq.auto and self.policy is not None
         self.running[seq.seq_id] = seq
 
+    def admitted(self) -> None:
+        """Sequences just started join the round planned before them: the policy's choice
+        for them follows the batch they join (SpeculationLength.admitted)."""
+        if self.policy is not None:
+            self.policy.admitted(len(self.running), queued=bool(self.waiting))
+
     def finish(self, seq_id: Hashable) -> RunningSeq | None:
         return self.running.pop(seq_id, None)
 

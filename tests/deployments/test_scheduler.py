@@ -267,3 +267,33 @@ def test_the_gate_compares_rounds_without_the_prefills_of_admissions():
     assert choice.state()["d"][str(batch_bucket(2))]["goodput"]["draft_model"] == pytest.approx(50)
     assert stats.decode_wall_s == pytest.approx(0.02)
     assert RoundStats(2, 0, False, total_s=0.01, wall_s=0.011, prefill_s=0.5).decode_wall_s == 0.01
+
+
+@pytest.mark.parametrize("rejoin", [True, False])
+def test_rows_admitted_after_the_plan_follow_the_gate_of_the_batch_they_join(rejoin):
+    """An idle engine plans its next round at the first request of a burst (one
+    sequence: drafting); the other 15 join a batch of 16, whose gate has decided against
+    drafting. They run at k = 0 and are not sent to the draft (no prefill there). The
+    twin, which keeps the plan of one sequence for them, drafts them all."""
+    gate = GateConfig(min_rounds=2, compare_rounds=3)
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4, gate=gate))
+    wide = batch_bucket(16)
+    for _ in range(2):  # 16 rows: drafting measured 10 tokens/s, not drafting 100
+        policy.gate.observe(wide, True, 10, 1.0)
+        policy.gate.observe(wide, False, 100, 1.0)
+    assert not policy.gate.is_open(wide)  # decided
+    sched = Scheduler(max_num_seqs=16, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    sched.has_draft = True
+    first = running(sched, item("a0", k=4, auto=True))
+    sched.plan_round(1, [])
+    while sched.forced is not None:  # one sequence's first cost measurements
+        sched.plan_round(1, [])
+    assert sched.next_round(first).num_speculative_tokens == 4  # one sequence: drafting
+    burst = [running(sched, item(f"a{i}", k=4, auto=True)) for i in range(1, 16)]
+    if rejoin:
+        sched.admitted()  # what the engine core calls after a prefill
+    items = [sched.next_round(seq) for seq in burst]
+    if rejoin:
+        assert items == [None] * 15 and all(seq.k_next == 0 and seq.paused for seq in burst)
+    else:
+        assert all(it is not None and it.num_speculative_tokens == 4 for it in items)

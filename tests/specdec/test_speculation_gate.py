@@ -282,3 +282,27 @@ def test_a_saturated_states_first_trial_of_drafting_drafts():
         policy.observe_round_wall(16, ks[-1] > 0, 16, 0.012, queued=True)
     assert policy.gate.trialling  # the last round: the gate's first trial of drafting
     assert ks[-1] == policy.default_k and not any(ks[:-1])
+
+
+def test_decision_reads_the_state_without_counting_a_round():
+    """What rows admitted between rounds follow: a fresh state's first choice (open; with
+    requests waiting, from 2 sequences, closed), a running measurement's choice, the last
+    decision; asking counts no planned round."""
+    gate = SpeculationGate(GateConfig(min_rounds=2, compare_rounds=3, compare_every=10))
+    wide = batch_bucket(16)
+    assert gate.decision(wide) == (True, False)
+    assert gate.decision(wide, queued=True) == (False, False)
+    assert gate.decision(batch_bucket(1), queued=True) == (True, False)  # no margin at 1
+    for _ in range(2):
+        gate.observe(wide, True, 10, 1.0)
+        gate.observe(wide, False, 100, 1.0)
+    assert not gate.is_open(wide)  # decided: not drafting
+    planned = gate._gates[(wide, False)].planned
+    assert gate.decision(wide) == (False, False)
+    while not gate.trialling:
+        gate.is_open(wide)
+    assert gate.decision(wide) == (True, True)  # measuring drafting afresh
+    assert gate._gates[(wide, False)].planned > planned
+    n = gate._gates[(wide, False)].planned
+    gate.decision(wide)
+    assert gate._gates[(wide, False)].planned == n
