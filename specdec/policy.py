@@ -442,6 +442,7 @@ class SpeculationLength:
         self.gate = SpeculationGate(c.gate) if c.gate is not None else None
         self._open = True  # the gate's word for the round being planned
         self._trialling = False  # ... given for one of its measurements
+        self._planned: tuple[int, bool] | None = None  # ... for its (bucket, queued)
 
     # ----- observations -------------------------------------------------------------------
 
@@ -583,6 +584,7 @@ class SpeculationLength:
         self._round += 1
         c = self._bucket(batch_size)
         bucket = batch_bucket(batch_size)
+        self._planned = (bucket, queued)
         if self._ages_costs(bucket, domains, queued):
             c.rounds += 1
         if c.forced_left <= 0:
@@ -653,16 +655,22 @@ class SpeculationLength:
             or c.rounds - max(c.last.get(k, 0), c.tries_at.get(k, 0)) > c.remeasure_every
         ]
 
-    def admitted(self, batch_size: int, queued: bool = False) -> None:
+    def admitted(self, batch_size: int, queued: bool = False) -> bool:
         """Requests were admitted after the next round was planned: the round runs
-        ``batch_size`` rows (``queued``: requests still wait), and the admitted rows' first
-        k follows the gate's decision for that batch (:meth:`SpeculationGate.decision`),
-        not for the batch the round was planned at. An idle engine plans its next round
-        at the first request of a burst: at 16 concurrent requests on the demo pair every
-        wave's other 15 then drafted at k = 9-11 in the gate's open state of one sequence
-        (and went to the draft, a prefill each), in a bucket whose gate was closed."""
+        ``batch_size`` rows (``queued``: requests still wait). Returns whether the plan
+        holds (the same bucket and queue state); if not, the gate's decision for the batch
+        the round really runs (:meth:`SpeculationGate.decision`) replaces it, and the
+        caller drops a cost measurement planned for the other bucket. An idle engine plans
+        its next round at the first request of a burst: at 16 concurrent requests on the
+        demo pair every wave's other 15 then drafted at k = 9-12 (one sequence's choice,
+        or a measurement of 1-3 sequences), in a bucket whose gate was closed."""
+        if (batch_bucket(batch_size), queued) == self._planned:
+            return True
         if self.gate is not None:
             self._open, self._trialling = self.gate.decision(batch_bucket(batch_size), queued)
+        else:
+            self._open, self._trialling = True, False
+        return False
 
     @property
     def gate_closed(self) -> bool:

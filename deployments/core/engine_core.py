@@ -472,7 +472,7 @@ class EngineCore:
         started = self._isolated(batch, self._prefill)
         self._prefill_s += time.perf_counter() - t_prefill
         if started:
-            self.scheduler.admitted()
+            self.scheduler.admitted(started)
         for sid in started:
             seq = self.scheduler.running[sid]
             if seq.state.finished:

@@ -291,9 +291,38 @@ def test_rows_admitted_after_the_plan_follow_the_gate_of_the_batch_they_join(rej
     assert sched.next_round(first).num_speculative_tokens == 4  # one sequence: drafting
     burst = [running(sched, item(f"a{i}", k=4, auto=True)) for i in range(1, 16)]
     if rejoin:
-        sched.admitted()  # what the engine core calls after a prefill
+        sched.admitted([seq.seq_id for seq in burst])  # as the engine core after a prefill
     items = [sched.next_round(seq) for seq in burst]
     if rejoin:
         assert items == [None] * 15 and all(seq.k_next == 0 and seq.paused for seq in burst)
+        # ... and the first row, planned at one sequence, runs this round without drafts
+        # (one padded verification pass), and leaves the draft at its next plan.
+        assert first.k_next == 0 and not first.synced
+        sched.plan_round(16, [])
+        assert sched.next_round(first) is None and first.paused
+        assert sched.take_dropped() == [seq.seq_id for seq in burst] + ["a0"]
     else:
         assert all(it is not None and it.num_speculative_tokens == 4 for it in items)
+        assert first.k_next == 4
+
+
+@pytest.mark.parametrize("rejoin", [True, False])
+def test_a_cost_measurement_planned_for_another_batch_size_is_dropped_at_admission(rejoin):
+    """A round planned at one sequence measures k = 1 there; 15 rows admitted before it
+    runs make it a round of 16, which would measure nothing of one sequence: the
+    measurement is dropped and the admitted rows draft as the batch of 16 would (its
+    gate open, no costs yet: ``default_k``). The twin runs them all at k = 1."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4))
+    sched = Scheduler(max_num_seqs=16, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    sched.has_draft = True
+    first = running(sched, item("a0", k=4, auto=True))
+    sched.plan_round(1, [])
+    while sched.forced != 1:  # one sequence's first cost measurements: k = 0, then 1
+        sched.plan_round(1, [])
+    assert sched.next_round(first).num_speculative_tokens == 1
+    burst = [running(sched, item(f"a{i}", k=4, auto=True)) for i in range(1, 16)]
+    if rejoin:
+        sched.admitted([seq.seq_id for seq in burst])
+    ks = [sched.next_round(seq).num_speculative_tokens for seq in burst]
+    assert ks == [4 if rejoin else 1] * 15
+    assert (sched.forced is None) == rejoin and first.k_next == 1
