@@ -656,18 +656,20 @@ class SpeculationLength:
         ]
 
     def admitted(self, batch_size: int, queued: bool = False) -> bool:
-        """Requests were admitted after the next round was planned: the round runs
-        ``batch_size`` rows (``queued``: requests still wait). Returns whether the plan
-        holds (the same bucket and queue state); if not, the gate's decision for the batch
-        the round really runs (:meth:`SpeculationGate.decision`) replaces it, and the
-        caller drops a cost measurement planned for the other bucket. An idle engine plans
-        its next round at the first request of a burst: at 16 concurrent requests on the
-        demo pair every wave's other 15 then drafted at k = 9-12 (one sequence's choice,
-        or a measurement of 1-3 sequences), in a bucket whose gate was closed."""
-        if (batch_bucket(batch_size), queued) == self._planned:
+        """Rows were admitted after the next round was planned (at the size of the round
+        before, rows that finished in it included): the round runs ``batch_size`` rows
+        (``queued``: requests still wait). Returns whether the plan holds (the same bucket
+        and queue state); if not, the gate's answer for the batch the round really runs
+        (:meth:`SpeculationGate.decision`) replaces it. An idle engine plans its next round
+        at the first request of a burst: at 16 concurrent requests on the demo pair every
+        wave's other 15 then drafted at k = 9-12 (one sequence's choice, or a measurement
+        of 1-3 sequences), in a bucket whose gate was closed."""
+        state = (batch_bucket(batch_size), queued)
+        if state == self._planned:
             return True
+        self._planned = state
         if self.gate is not None:
-            self._open, self._trialling = self.gate.decision(batch_bucket(batch_size), queued)
+            self._open, self._trialling = self.gate.decision(*state)
         else:
             self._open, self._trialling = True, False
         return False

@@ -152,14 +152,19 @@ class SpeculationGate:
         return best
 
     def decision(self, bucket: int, queued: bool = False) -> tuple[bool, bool]:
-        """(open, trialling) as the state stands, counting no round: its running
-        measurement's choice, else its last decision, else its first choice. For rows
-        admitted between rounds into a batch of another bucket than the one the round was
-        planned in (SpeculationLength.admitted)."""
+        """(open, trialling) as :meth:`is_open` would answer now, counting no round: a
+        running measurement's choice, else what both figures say once measured, else the
+        last decision, else the first choice. For rows admitted between rounds into a
+        batch of another bucket than the one the round was planned in
+        (SpeculationLength.admitted)."""
         g = self._gates.get((bucket, queued))
-        if g is not None and g.trial is not None:
+        if g is None:
+            return self._first_choice(bucket, queued), False
+        if g.trial is not None:
             return g.trial, True
-        if g is not None and g.best is not None:
+        if min(g.rounds.values()) >= self.config.min_rounds:
+            return self._drafting_pays(g, bucket, queued), False
+        if g.best is not None:
             return g.best, False
         return self._first_choice(bucket, queued), False
 

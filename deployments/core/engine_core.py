@@ -471,13 +471,17 @@ class EngineCore:
         t_prefill = time.perf_counter()
         started = self._isolated(batch, self._prefill)
         self._prefill_s += time.perf_counter() - t_prefill
-        if started:
-            self.scheduler.admitted(started)
+        live = []
         for sid in started:
             seq = self.scheduler.running[sid]
             if seq.state.finished:
                 self._free(sid)
-            elif (item := self.scheduler.next_round(seq)) is not None:
+            else:
+                live.append(seq)
+        if live:
+            self.scheduler.admitted([seq.seq_id for seq in live])
+        for seq in live:
+            if (item := self.scheduler.next_round(seq)) is not None:
                 items.append(item)
         if items or freed:
             self._message(items, freed)

@@ -15,7 +15,7 @@ from collections.abc import Collection, Hashable
 from dataclasses import asdict, dataclass, field
 
 from deployments.messages import DraftItem, DraftRestart, DriftAlert, EngineCoreRequest
-from specdec.policy import SpeculationLength
+from specdec.policy import SpeculationLength, batch_bucket
 from specdec.proposer_choice import ProposerChoice
 from specdec.sequence import SequenceState
 from specdec.stats import RoundStats, SpecCounts
@@ -84,6 +84,9 @@ class Scheduler:
         self.paused = 0  # rows the policy took out of (or kept from) the draft, and ...
         self._queued_planned = False  # requests waited when the next round was planned
         self._queued_running = False  # ... when the round now running was
+        self._planned_size = 0  # the batch size the next round was planned at [rows]
+        self._replanned = False  # admissions changed the next round's plan (admitted)
+        self._replanned_running = False  # ... the plan of the round now running
         self.resumed = 0
 
     # ----- admission ------------------------------------------------------------------------
@@ -110,24 +113,31 @@ class Scheduler:
         self.running[seq.seq_id] = seq
 
     def admitted(self, started: Collection[Hashable]) -> None:
-        """Sequences ``started`` join the round planned before them: the policy's choice
-        for them follows the batch they join (SpeculationLength.admitted), and a cost
-        measurement planned for another batch size is dropped. Where that batch's gate is
-        closed, the policy's rows planned before them run the round at k = 0 too:
-        verification is one pass padded to its longest row, and one row's 10 drafts made a
-        round of 16 rows cost 45 ms against 12. Their drafts, asked already, go unused,
-        and the draft forgets them (not synced: a closed gate does not send them back)."""
+        """Sequences ``started`` (live: not finished at their prefill) join the round
+        planned before them. Where that moves the batch to another bucket, a cost
+        measurement planned for the old one is dropped; where it moves the batch to another
+        bucket or queue state, the policy's choice for the round follows the batch it runs
+        (SpeculationLength.admitted), and if that batch's gate is closed, the policy's
+        rows planned before run the round at k = 0 too: verification is one pass padded to
+        its longest row, and one row's 10 drafts made a round of 16 rows cost 45 ms against
+        12. Their drafts, asked already, go unused; the draft keeps them (a pause comes
+        after PAUSE_AFTER_ROUNDS as for any k = 0, so a batch moving between an open and a
+        closed bucket re-sends nothing). Such a round tells the gate nothing."""
         if self.policy is None:
             return
-        if self.policy.admitted(len(self.running), queued=bool(self.waiting)):
+        size = len(self.running)
+        if self.forced is not None:
+            if batch_bucket(size) == batch_bucket(self._planned_size):
+                return  # a measurement of this bucket: it asks no gate
+            self.forced = None
+        if self.policy.admitted(size, queued=bool(self.waiting)):
             return  # the same bucket and queue state as planned
-        self.forced = None
-        if not self.policy.gate_closed:
-            return
-        new = set(started)
-        for seq in self.running.values():
-            if seq.auto and seq.k_next > 0 and seq.seq_id not in new:
-                seq.k_next, seq.synced = 0, False
+        self._queued_planned, self._replanned = bool(self.waiting), True
+        if self.policy.gate_closed:
+            new = set(started)
+            for seq in self.running.values():
+                if seq.auto and seq.k_next > 0 and seq.seq_id not in new:
+                    seq.k_next = 0
 
     def finish(self, seq_id: Hashable) -> RunningSeq | None:
         return self.running.pop(seq_id, None)
@@ -280,6 +290,8 @@ class Scheduler:
         self._forced_before = self._forced_running
         self._forced_running = self.forced
         self._queued_running, self._queued_planned = self._queued_planned, bool(self.waiting)
+        self._replanned_running, self._replanned = self._replanned, False
+        self._planned_size = batch_size
         self.forced = self.policy.plan_round(batch_size, domains, queued=self._queued_planned)
 
     def observe_round(self, stats: RoundStats) -> None:
@@ -316,8 +328,9 @@ class Scheduler:
                 stats.batch_size, stats.planned_k, stats.total_s, at_planned
             )
             # A cost measurement says nothing of goodput, nor does a round whose lengths
-            # were partly someone else's (a request's own k, speculation off, a seed).
-            if self._forced_running is None and stats.policy_rows:
+            # were partly someone else's (a request's own k, speculation off, a seed) or
+            # partly another plan's (admissions re-decided it).
+            if self._forced_running is None and stats.policy_rows and not self._replanned_running:
                 self.policy.observe_round_wall(
                     stats.batch_size,
                     stats.planned_k > 0,

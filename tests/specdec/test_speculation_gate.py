@@ -306,3 +306,8 @@ def test_decision_reads_the_state_without_counting_a_round():
     n = gate._gates[(wide, False)].planned
     gate.decision(wide)
     assert gate._gates[(wide, False)].planned == n
+    while gate.trialling:  # the trial ends ...
+        gate.is_open(wide)
+    for _ in range(20):  # ... and drafting now measures faster: is_open's verdict
+        gate.observe(wide, True, 1000, 1.0)
+    assert gate.decision(wide) == (True, False) == (gate.is_open(wide), gate.trialling)
