@@ -675,6 +675,11 @@ class SpeculationLength:
         return False
 
     @property
+    def planned_bucket(self) -> int | None:
+        """The batch-size bucket the round being planned was planned (or re-decided) for."""
+        return None if self._planned is None else self._planned[0]
+
+    @property
     def gate_closed(self) -> bool:
         """The gate keeps the policy's rows at k = 0 for the round being planned by its
         decision (not for a measurement): a row the draft does not hold need not be sent

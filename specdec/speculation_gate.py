@@ -158,15 +158,9 @@ class SpeculationGate:
         batch of another bucket than the one the round was planned in
         (SpeculationLength.admitted)."""
         g = self._gates.get((bucket, queued))
-        if g is None:
-            return self._first_choice(bucket, queued), False
-        if g.trial is not None:
+        if g is not None and g.trial is not None:
             return g.trial, True
-        if min(g.rounds.values()) >= self.config.min_rounds:
-            return self._drafting_pays(g, bucket, queued), False
-        if g.best is not None:
-            return g.best, False
-        return self._first_choice(bucket, queued), False
+        return not self.favours_off(bucket, queued), False
 
     def _first_choice(self, bucket: int, queued: bool) -> bool:
         """The choice a state runs (and measures) first: drafting, except with requests

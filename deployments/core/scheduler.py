@@ -84,7 +84,6 @@ class Scheduler:
         self.paused = 0  # rows the policy took out of (or kept from) the draft, and ...
         self._queued_planned = False  # requests waited when the next round was planned
         self._queued_running = False  # ... when the round now running was
-        self._planned_size = 0  # the batch size the next round was planned at [rows]
         self._replanned = False  # admissions changed the next round's plan (admitted)
         self._replanned_running = False  # ... the plan of the round now running
         self.resumed = 0
@@ -127,7 +126,7 @@ class Scheduler:
             return
         size = len(self.running)
         if self.forced is not None:
-            if batch_bucket(size) == batch_bucket(self._planned_size):
+            if batch_bucket(size) == self.policy.planned_bucket:
                 return  # a measurement of this bucket: it asks no gate
             self.forced = None
         if self.policy.admitted(size, queued=bool(self.waiting)):
@@ -291,7 +290,6 @@ class Scheduler:
         self._forced_running = self.forced
         self._queued_running, self._queued_planned = self._queued_planned, bool(self.waiting)
         self._replanned_running, self._replanned = self._replanned, False
-        self._planned_size = batch_size
         self.forced = self.policy.plan_round(batch_size, domains, queued=self._queued_planned)
 
     def observe_round(self, stats: RoundStats) -> None:
