@@ -9,6 +9,7 @@ decode and multi-token verify are the same operation with different token counts
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -54,6 +55,7 @@ from specdec.row_attention import (
     RowSpans,
     sdpa_backends,
 )
+from specdec.tensor_parallel import ModelShard, TensorParallelError, shard_model, shard_plan
 
 # Attention kinds a runner takes (ModelRunner._attention_choice says what each does).
 ATTENTION_BACKENDS = ("auto", "slots", "rows", "masks")
@@ -116,9 +118,17 @@ class ModelRunner:
         max_compiled_query_len: int = 32,
         reserve_activations: bool = False,
         verifies: bool = True,
+        shard: ModelShard | None = None,
     ):
         check_transformers_version()
         check_execution_mode(execution_mode)
+        if shard is not None and shard.world_size > 1 and execution_mode != EAGER:
+            raise TensorParallelError(
+                f"tensor parallelism runs eager (execution_mode: {EAGER}), "
+                f"not {execution_mode}: a pass's sums across ranks are not in its graphs"
+            )
+        # This rank's share of a tensor-parallel model (None: the whole model here).
+        self.shard = shard
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
@@ -156,16 +166,23 @@ class ModelRunner:
 
     def _load(self, model: str | PreTrainedModel, dtype: str, trust_remote_code: bool) -> str:
         """The model onto this runner's device, in eval mode, with its config and attention
-        layout (checked before any weight is loaded: a layout it cannot mask raises).
-        Returns the name logs give it (its path, or its class's name)."""
+        layout (checked before any weight is loaded: a layout it cannot mask raises), and
+        only this rank's share of it where the runner is one of a tensor-parallel group
+        (a model that cannot be split raises, also before loading). Returns the name logs
+        give it (its path, or its class's name)."""
         if isinstance(model, str):
             self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-            self.attention = attention_layout(self.config)  # refuses what it cannot mask
-            model_name, model = model, _load_model(model, _DTYPES[dtype], trust_remote_code)
         else:
             self.config = model.config
-            self.attention = attention_layout(self.config)
+        self.attention = attention_layout(self.config)  # refuses what it cannot mask
+        split = self.shard is not None and self.shard.world_size > 1
+        plan = shard_plan(self.config, self.shard.world_size) if split else None
+        if isinstance(model, str):
+            model_name, model = model, _load_model(model, _DTYPES[dtype], trust_remote_code)
+        else:
             model_name = type(model).__name__
+        if plan is not None:
+            shard_model(model, plan, self.shard.rank, self.shard.all_reduce)
         self.model = model.to(self.device)
         self.model.eval()
         return model_name
@@ -323,6 +340,8 @@ class ModelRunner:
             shared_bytes_per_slot=shared,
             reserved_bytes=reserve,
         )
+        if self.shard is not None:  # every rank holds as many slots: the least any can
+            plan = dataclasses.replace(plan, num_slots=self.shard.min_over_ranks(plan.num_slots))
         self.allocate_kv(plan)
         if kv_shared_with is not None:  # one budget: the same number of slots
             kv_shared_with.allocate_kv(

@@ -1,0 +1,181 @@
+"""A tensor-parallel group: one model runner per rank, run in lockstep from rank 0.
+
+Rank 0 is the process that uses the runner (the engine core, or a one-process loop). Every
+call that runs a pass or changes the cache's bookkeeping is first broadcast to the other
+ranks as a :class:`RankCall` (one broadcast per call: the call's own arguments, token ids
+and sequence ids, never logits), then run on rank 0 while the others run the same call
+on their shards (:func:`follow`); the layers' sums (:mod:`specdec.tensor_parallel`) keep
+them in step inside each pass. Every rank computes the same logits; rank 0's are used.
+Calls that only read (lengths, slots free, the KV usage) run on rank 0 alone.
+
+A rank that dies or hangs stalls the others in their next collective until the group's
+timeout (``timeout_s``), where ``torch.distributed`` raises: the group fails together, and
+whoever owns it replaces it whole. gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from specdec.tensor_parallel import ModelShard
+
+logger = logging.getLogger("specserve.tensor_parallel")
+
+# The runner's calls that run a pass or change what the cache holds: run on every rank.
+MIRRORED = frozenset(
+    {
+        "add",
+        "free",
+        "fork",
+        "rename",
+        "rollback",
+        "forward",
+        "forward_padded",
+        "prefill",
+        "warm_up",
+        "load_weights",
+        "add_low_rank",
+        "advance",
+        "end_steps",
+        "step_logits",
+    }
+)
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One runner call, as rank 0 broadcasts it before running it itself."""
+
+    method: str  # one of MIRRORED; "" ends the followers' loop
+    args: tuple = ()  # positional arguments: seq ids, token ids ([rows][tokens] or [rows, n])
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments (last_only, ...)
+
+
+STOP = RankCall("")
+
+
+class RankGroup:
+    """This process's place in a group of ``world_size`` ranks (one per device), joined
+    through ``init_method`` (``tcp://host:port`` of rank 0). ``timeout_s``: how long a
+    collective waits for a rank before it raises (the group's watchdog)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        device: str = "cpu",
+        timeout_s: float = 60.0,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.calls = 0  # calls broadcast (rank 0) or received (the others)
+
+    def shard(self) -> ModelShard:
+        """What a runner needs of the group to load its share of a model."""
+        return ModelShard(self.world_size, self.rank, self.all_reduce, self.min_over_ranks)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place."""
+        dist.all_reduce(tensor)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The least of ``value`` over the ranks (the KV slots every rank can hold)."""
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def broadcast(self, call: RankCall) -> None:
+        """Rank 0: send ``call`` to every other rank."""
+        dist.broadcast_object_list([call], src=0, device=self.device)
+        self.calls += 1
+
+    def receive(self) -> RankCall:
+        """Another rank: the next call rank 0 broadcast (blocks until it comes)."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        self.calls += 1
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class MirroredRunner:
+    """Rank 0's runner: a call in :data:`MIRRORED` is broadcast, then run here; anything
+    else (attributes, reads) is the local runner's. Stands in for a ``ModelRunner``."""
+
+    def __init__(self, runner, group: RankGroup):
+        self._runner, self._group = runner, group
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._runner, name)
+        if name not in MIRRORED:
+            return attr
+
+        def mirrored(*args, **kwargs):
+            self._group.broadcast(RankCall(name, args, kwargs))
+            return attr(*args, **kwargs)
+
+        return mirrored
+
+    def stop_followers(self) -> None:
+        """End the other ranks' :func:`follow` loops (the group stays up)."""
+        self._group.broadcast(STOP)
+
+
+def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None = None) -> int:
+    """Another rank's loop: run each call rank 0 broadcasts on this rank's ``runner``
+    until :data:`STOP`; returns the calls run. A call that raises here raises out of the
+    loop (rank 0 then stalls in that pass's sums until the timeout: the group fails
+    together)."""
+    done = 0
+    while True:
+        call = group.receive()
+        if not call.method:
+            return done
+        if call.method not in MIRRORED:
+            raise ValueError(f"rank {group.rank}: {call.method!r} is not a mirrored call")
+        getattr(runner, call.method)(*call.args, **call.kwargs)
+        done += 1
+        if on_call is not None:
+            on_call(call)
+
+
+def run_rank(
+    model: str,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    runner_kwargs: dict[str, Any],
+    timeout_s: float = 60.0,
+) -> int:
+    """A rank other than 0, for its whole life in a process of its own: join the group,
+    load this rank's share of ``model`` (``runner_kwargs`` as rank 0's), follow rank 0's
+    calls until it stops them, leave. Returns the calls run."""
+    from specdec.runner import ModelRunner  # (the runner imports this module's peers)
+
+    device = runner_kwargs.get("device", "cpu")
+    group = RankGroup(rank, world_size, init_method, device, timeout_s)
+    try:
+        torch.set_grad_enabled(False)
+        runner = ModelRunner(model, shard=group.shard(), **runner_kwargs)
+        return follow(runner, group)
+    finally:
+        group.close()
