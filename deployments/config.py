@@ -108,6 +108,17 @@ class ModelSpec(_Strict):
         "and transformers version under it), so a restarted worker loads them instead of "
         "compiling again.",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Ranks the model is split over, one device each (its family's "
+        "tensor-parallel plan: attention and MLP layers split by heads and features, two "
+        "sums per layer). Rank 0 is the worker itself; the others are TensorParallelRank "
+        "actors of the replica's placement group on the same node, each with the worker's "
+        "resources. Runs eager. A family without a plan, or head counts the size does not "
+        "split, are refused at startup with the reason.",
+    )
     default_device: str | None = Field(
         default=None,
         description="torch's default device in the worker's threads once the model is "
@@ -126,6 +137,12 @@ class ModelSpec(_Strict):
                 f"execution_mode 'cuda_graph' needs a CUDA device, not device={self.device!r} "
                 "(on a CPU it would run padded passes with no graph: use 'torch_compile' or "
                 "'eager', or leave execution_mode unset)"
+            )
+        if self.tensor_parallel_size > 1 and self.execution_mode not in (None, "eager"):
+            raise ValueError(
+                f"execution_mode {self.execution_mode!r}: a model split over "
+                f"tensor_parallel_size = {self.tensor_parallel_size} ranks runs eager (the "
+                "sums across ranks are not in the compiled graphs); leave it unset or 'eager'"
             )
         return self
 
@@ -374,6 +391,14 @@ class FaultConfig(_Strict):
         description="How long the engine core waits for a round's drafts before verifying "
         "that round without them (a hung draft never stalls the target).",
     )
+    rank_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a tensor-parallel rank waits for the others in a pass before "
+        "the group is taken as failed (a rank that died fails it at once). The worker then "
+        "exits with its group and is replaced as a failed target is, its requests resumed "
+        "from their committed tokens.",
+    )
     call_timeout_s: float = Field(
         default=30.0,
         gt=0,
@@ -470,11 +495,25 @@ class EngineConfig(_Strict):
             raise ValueError("STRICT_SPREAD places draft and target apart; it needs a draft model")
         if self.draft_placement == "colocated":
             self._check_colocated()
+        self._check_tensor_parallel()
         if self.draft is not None and self.draft.max_model_len is None:
             # An unset draft serves as far as the target was asked to: left to its own
             # default (at most 8192), it would stop drafting past it on a longer target.
             self.draft = self.draft.model_copy(update={"max_model_len": self.target.max_model_len})
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        if self.draft is not None and self.draft.tensor_parallel_size > 1:
+            raise ValueError(
+                "draft.tensor_parallel_size > 1: only the target is split across ranks "
+                "for now; a draft fits one device"
+            )
+        if self.target.tensor_parallel_size > 1 and "SPREAD" in self.placement_strategy:
+            raise ValueError(
+                f"target.tensor_parallel_size > 1 keeps the target's ranks on one node, "
+                f"which {self.placement_strategy} (bundles on different nodes) does not; use "
+                "PACK, or STRICT_PACK for every worker on one node"
+            )
 
     def _check_colocated(self) -> None:
         if self.draft is None:

@@ -255,6 +255,22 @@ class EngineCoreConfig(msgspec.Struct, frozen=True):
     proposer_choice: ProposerChoiceConfig | None = None
     ngram_max: int = 4  # n-gram lookup: the longest suffix matched [tokens]
     ngram_min: int = 1  # ... the shortest [tokens]
+    # A tensor-parallel target's ranks 1 .. N - 1 (TensorParallelRank actor handles, started
+    # by the launcher, joined by the core at load); empty: the target is whole here.
+    ranks: list[Any] = msgspec.field(default_factory=list)
+    rank_timeout_s: float = 30.0  # longest wait in a pass for the other ranks [s]
+
+
+class RankConfig(msgspec.Struct, frozen=True):
+    """What a :class:`deployments.workers.tensor_parallel_rank.TensorParallelRank` is built
+    from: the target's spec, loaded as its core loads it, and its place in the group."""
+
+    spec: dict[str, Any]  # the target's ModelSpec fields (model_dump)
+    rank: int  # 1 .. world_size - 1 (the core is rank 0)
+    world_size: int  # target.tensor_parallel_size
+    max_num_seqs: int  # sequences in one batch (the KV plan, as the core's)
+    timeout_s: float  # longest wait in a pass for the other ranks [s]
+    cpu_affinity: list[int] | None = None  # [cores] its thread runs on (None: any)
 
 
 class OutputsRequest(msgspec.Struct, frozen=True):

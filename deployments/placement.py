@@ -45,10 +45,13 @@ class Placement:
     strategy: str
     target_bundle: int
     draft_bundle: int | None
+    # The target's ranks 1 .. N - 1 (target.tensor_parallel_size), after the others.
+    rank_bundles: tuple[int, ...] = ()
 
 
 def placement_for(config: EngineConfig) -> Placement:
-    """Bundles and strategy for one engine replica and its workers.
+    """Bundles and strategy for one engine replica and its workers (a tensor-parallel
+    target's other ranks last, each with the target's resources; PACK keeps them with it).
 
     With STRICT_SPREAD Ray puts every bundle on a different node; the engine bundle then
     needs a third node, so we drop the replica's own resources into the target's node by
@@ -56,6 +59,22 @@ def placement_for(config: EngineConfig) -> Placement:
     The replica still claims only the engine's share of that bundle
     (:func:`replica_actor_options`); the rest is the target's.
     """
+    placement = _workers(config)
+    ranks = config.target.tensor_parallel_size - 1
+    if not ranks:
+        return placement
+    first = len(placement.bundles)
+    return Placement(
+        placement.bundles + [bundle(config.target_resources)] * ranks,
+        placement.strategy,
+        placement.target_bundle,
+        placement.draft_bundle,
+        tuple(range(first, first + ranks)),
+    )
+
+
+def _workers(config: EngineConfig) -> Placement:
+    """The engine's, the target's (its rank 0) and the draft's bundles."""
     engine = bundle(config.engine_resources)
     target = bundle(config.target_resources)
     if config.draft is None or config.draft_placement == "colocated":  # no draft actor

@@ -16,6 +16,7 @@ whoever owns it replaces it whole. gloo on CPU, NCCL on GPU.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -117,6 +118,14 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+def free_port(host: str = "") -> int:
+    """A TCP port free on this host now, for rank 0's ``init_method`` (the group's store
+    listens on it once rank 0 joins)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class MirroredRunner:
     """Rank 0's runner: a call in :data:`MIRRORED` is broadcast, then run here; anything
     else (attributes, reads) is the local runner's. Stands in for a ``ModelRunner``."""
@@ -135,9 +144,17 @@ class MirroredRunner:
 
         return mirrored
 
+    @property
+    def group(self) -> RankGroup:
+        return self._group
+
     def stop_followers(self) -> None:
         """End the other ranks' :func:`follow` loops (the group stays up)."""
         self._group.broadcast(STOP)
+
+    def close(self) -> None:
+        """Leave the group (the others' next collective fails: call after stopping them)."""
+        self._group.close()
 
 
 def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None = None) -> int:
@@ -159,23 +176,37 @@ def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None 
 
 
 def run_rank(
-    model: str,
+    make_runner: Callable[..., Any],
     rank: int,
     world_size: int,
     init_method: str,
-    runner_kwargs: dict[str, Any],
+    device: str = "cpu",
     timeout_s: float = 60.0,
+    on_call: Callable[[RankCall], None] | None = None,
 ) -> int:
-    """A rank other than 0, for its whole life in a process of its own: join the group,
-    load this rank's share of ``model`` (``runner_kwargs`` as rank 0's), follow rank 0's
-    calls until it stops them, leave. Returns the calls run."""
-    from specdec.runner import ModelRunner  # (the runner imports this module's peers)
-
-    device = runner_kwargs.get("device", "cpu")
+    """A rank other than 0, for its whole life: join the group, load this rank's share
+    (``make_runner(shard=...)``, built as rank 0 builds its own), follow rank 0's calls
+    until it stops them, leave. Returns the calls run."""
     group = RankGroup(rank, world_size, init_method, device, timeout_s)
     try:
         torch.set_grad_enabled(False)
-        runner = ModelRunner(model, shard=group.shard(), **runner_kwargs)
-        return follow(runner, group)
+        return follow(make_runner(shard=group.shard()), group, on_call)
     finally:
         group.close()
+
+
+def lead(
+    make_runner: Callable[..., Any],
+    world_size: int,
+    init_method: str,
+    device: str = "cpu",
+    timeout_s: float = 60.0,
+) -> MirroredRunner:
+    """Rank 0: join the group (the other ranks join at the same ``init_method``) and
+    load rank 0's share; every call of the runner returned reaches the group."""
+    group = RankGroup(0, world_size, init_method, device, timeout_s)
+    try:
+        return MirroredRunner(make_runner(shard=group.shard()), group)
+    except BaseException:
+        group.close()
+        raise

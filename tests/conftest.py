@@ -165,6 +165,7 @@ RAY_FILES = frozenset(
         "deployments/test_families_http.py",
         "deployments/test_http.py",
         "deployments/test_serve_engine.py",
+        "deployments/test_tensor_parallel_serve.py",
         "monitoring/test_drift_e2e.py",  # Prometheus and Alertmanager against a server
     )
 )

@@ -26,9 +26,11 @@ Every message in and out is a named type of :mod:`deployments.messages`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Hashable
+from functools import partial
 from typing import Any, ClassVar
 
 import msgspec
@@ -67,11 +69,13 @@ from deployments.workers.model_loader import (
     load_runner,
     pin_thread,
     warm_up,
+    worker_device,
     worker_info,
 )
 from specdec.policy import SpeculationLength
 from specdec.proposer_choice import ProposerChoice
 from specdec.proposers import DraftModelProposer, ngram_propose
+from specdec.rank_group import free_port, lead
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 from specdec.speculation_cache import SpeculativeDrafter
@@ -106,6 +110,8 @@ class EngineCore:
         self.spec = ModelSpec.model_validate(config.spec)
         self._cpu_affinity = config.cpu_affinity
         self.cores: list[int] = []  # what the loop thread is pinned to (empty: not pinned)
+        self.ranks: list[dict[str, Any]] = []  # a tensor-parallel target's other ranks' info
+        self._rank_actors: list[Any] = list(config.ranks)  # ... and their actors
         self.runner, self.draft_runner = self._load_models(config)
         self.scheduler = self._make_scheduler(config)
         self.ngram_max, self.ngram_min = config.ngram_max, config.ngram_min
@@ -152,6 +158,16 @@ class EngineCore:
         self._thread.daemon = True
         self._thread.start()
 
+    def _exit_with_group(self) -> None:
+        """Leave with a failed tensor-parallel group (a rank died or hung past
+        ``faults.rank_timeout_s``): the process exits without ending its requests, so that
+        the replica replaces the core, with a fresh group, and resumes each request from
+        its committed tokens, as for any target that died. The ranks exit as their next
+        collective fails."""
+        logger.error("tensor-parallel group failed: exiting for a replacement")
+        logging.shutdown()
+        os._exit(1)
+
     def _make_scheduler(self, config: EngineCoreConfig) -> Scheduler:
         """The scheduler, bounded by both models' lengths, with the config's policies."""
         draft_max_model_len = (
@@ -172,11 +188,31 @@ class EngineCore:
         """The target's runner, and a colocated draft's (loaded first: the target plans
         one KV budget for both) or None."""
         if config.colocated_draft is None:
-            return load_runner(self.spec, config.max_num_seqs), None
+            return self._load_target(config), None
         draft_spec = ModelSpec.model_validate(config.colocated_draft.spec)
         draft_runner = load_runner(draft_spec, config.max_num_seqs, defer_kv=True, verifies=False)
-        runner = load_runner(self.spec, config.max_num_seqs, kv_shared_with=draft_runner)
-        return runner, draft_runner
+        return self._load_target(config, kv_shared_with=draft_runner), draft_runner
+
+    def _load_target(self, config: EngineCoreConfig, **kwargs):
+        """The target whole, or rank 0's share of it with the other ranks (the config's
+        TensorParallelRank actors) joining this process's group as it loads; then their
+        ``ready`` (each loaded its share) within the startup wait."""
+        make = partial(load_runner, self.spec, config.max_num_seqs, **kwargs)
+        if not config.ranks:
+            return make()
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        for rank in config.ranks:
+            rank.join.remote(init_method)
+        world = len(config.ranks) + 1
+        runner = lead(make, world, init_method, worker_device(self.spec), config.rank_timeout_s)
+        self.ranks = ray.get([rank.ready.remote() for rank in config.ranks])
+        mine = ray.get_runtime_context().get_node_id()
+        apart = [r["rank"] for r in self.ranks if r["node_id"] != mine]
+        if apart:
+            runner.close()
+            raise RuntimeError(f"tensor-parallel ranks {apart} are not on rank 0's node")
+        logger.info("%s split over %d ranks (group at %s)", self.spec.model, world, init_method)
+        return runner
 
     def _colocated_link(self, cfg: ColocatedDraftConfig) -> ColocatedDraftLink:
         """The draft in this process, proposing the ids both models and the tokenizer
@@ -195,6 +231,8 @@ class EngineCore:
         info = {**worker_info(self.runner), "eos_token_ids": sorted(self.eos_token_ids)}
         if self.draft_runner is not None:
             info["draft"] = worker_info(self.draft_runner)
+        if self.ranks:
+            info["ranks"] = self.ranks
         return info
 
     @ray.method(concurrency_group="control")
@@ -323,7 +361,21 @@ class EngineCore:
             "draft_failed_sequences": (
                 self.link.rounds.failed_sequences if self.draft_runner is not None else None
             ),
+            "tensor_parallel": self._group_health(),
         }
+
+    def _group_health(self) -> dict[str, Any] | None:
+        """A tensor-parallel target's ranks as they answer now (None: the target is whole):
+        rank 0's broadcast calls, and each other rank's calls run, or why it did not answer."""
+        if not self._rank_actors:
+            return None
+        ranks = []
+        for i, actor in enumerate(self._rank_actors, start=1):
+            try:
+                ranks.append(ray.get(actor.health.remote(), timeout=5.0))
+            except Exception as exc:  # dead or hung: the group fails at its next pass
+                ranks.append({"rank": i, "error": repr(exc)})
+        return {"size": len(ranks) + 1, "calls": self.runner.group.calls, "ranks": ranks}
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:
@@ -391,6 +443,8 @@ class EngineCore:
             self._loop()
         except Exception as exc:  # Ray does not see this thread: surface the error
             logger.exception("engine core loop failed")
+            if self.ranks:  # a pass failed mid-way: the group is out of step for good
+                self._exit_with_group()
             with self._cv:  # (a waiting load_draft_weights learns of it at once)
                 self.error = f"engine core failure: {exc!r}"
                 self._cv.notify_all()

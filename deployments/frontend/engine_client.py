@@ -261,6 +261,8 @@ class EngineClient:
             "draft_versions": dict(self.telemetry.domain_versions) if self.telemetry else {},
             "draft_update": self.draft_update,
             "draft_channel": self._core_health.get("draft_channel"),
+            # a split target's ranks: size, rank 0's calls, each other rank's (None: whole)
+            "tensor_parallel": self._core_health.get("tensor_parallel"),
             "outputs_polls": None if self._outputs is None else dict(self._outputs.polls),
             "error": self._fatal,
         }

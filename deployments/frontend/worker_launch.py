@@ -18,9 +18,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import EngineConfig, WorkerResources
 from deployments.core.engine_core import EngineCore
-from deployments.messages import ColocatedDraftConfig, DraftWorkerConfig, EngineCoreConfig
+from deployments.messages import (
+    ColocatedDraftConfig,
+    DraftWorkerConfig,
+    EngineCoreConfig,
+    RankConfig,
+)
 from deployments.placement import placement_for
 from deployments.workers.draft_worker import DraftWorker
+from deployments.workers.tensor_parallel_rank import TensorParallelRank
 from specdec.policy import LengthPolicyConfig
 from specdec.proposer_choice import ProposerChoiceConfig
 from specdec.speculation_gate import GateConfig
@@ -41,6 +47,7 @@ class WorkerLauncher:
         # The core adds the EOS ids of the model's generation_config to these.
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else []
+        self._ranks: list[Any] = []  # the current target's other ranks (tensor parallel)
 
     @property
     def colocated(self) -> bool:
@@ -67,6 +74,7 @@ class WorkerLauncher:
         cfg = self.config
         if draft_max_model_len is None and cfg.draft is not None:
             draft_max_model_len = cfg.draft.max_model_len
+        ranks = self.spawn_ranks()
         return (
             ray.remote(concurrency_groups=EngineCore.CONCURRENCY_GROUPS)(EngineCore)
             .options(**self.options(cfg.target_resources, self.placement.target_bundle))
@@ -86,9 +94,43 @@ class WorkerLauncher:
                     proposer_choice=self._proposer_choice(),
                     ngram_max=cfg.speculation.ngram_max,
                     ngram_min=cfg.speculation.ngram_min,
+                    ranks=ranks,
+                    rank_timeout_s=cfg.faults.rank_timeout_s,
                 )
             )
         )
+
+    def spawn_ranks(self) -> list[Any]:
+        """A tensor-parallel target's ranks 1 .. N - 1, each in its bundle with the
+        target's resources (none for a whole target), the last target's killed first.
+        The core joins them as it loads."""
+        cfg = self.config
+        world = cfg.target.tensor_parallel_size
+        for old in self._ranks:  # a replaced core's: dead with it, or hung in a pass
+            ray.kill(old, no_restart=True)
+        self._ranks = [
+            ray.remote(TensorParallelRank)
+            .options(**self.options(cfg.target_resources, bundle_index))
+            .remote(
+                RankConfig(
+                    spec=cfg.target.model_dump(),
+                    rank=rank,
+                    world_size=world,
+                    max_num_seqs=cfg.scheduler.max_num_seqs,
+                    timeout_s=cfg.faults.rank_timeout_s,
+                    cpu_affinity=None,
+                )
+            )
+            for rank, bundle_index in enumerate(self._rank_bundles(), start=1)
+        ]
+        return self._ranks
+
+    def _rank_bundles(self) -> list[int | None]:
+        """The ranks' bundles (None each where there is no placement group)."""
+        world = self.config.target.tensor_parallel_size
+        if self.pg is None:
+            return [None] * (world - 1)
+        return list(self.placement.rank_bundles)
 
     def _proposer_choice(self) -> ProposerChoiceConfig | None:
         """The per-domain proposer choice, where some request may use it: policy

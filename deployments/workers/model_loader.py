@@ -15,11 +15,13 @@ import torch
 from deployments.config import ModelSpec
 from specdec.execution import EAGER, default_execution_mode, seconds_by_name, use_compile_cache
 from specdec.runner import ModelRunner
+from specdec.tensor_parallel import ModelShard
 
 logger = logging.getLogger("specserve.workers")
 
 
-def _device(spec: ModelSpec) -> str:
+def worker_device(spec: ModelSpec) -> str:
+    """The torch device a worker loads its model on: the spec's, or by what Ray gave it."""
     if spec.device != "auto":
         return spec.device
     return "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
@@ -78,17 +80,21 @@ def load_runner(
     defer_kv: bool = False,
     kv_shared_with=None,
     verifies: bool = True,
+    shard: ModelShard | None = None,
 ) -> ModelRunner:
     """The spec's model on its device with its KV cache (see ModelRunner for the
     keyword arguments: a colocated draft's cache comes out of the target's budget; a
     draft, ``verifies`` False, keeps no every-position logits in its reserve). The
     calling thread is configured for the spec once loaded, except for a deferred
-    (colocated) draft: the target loads after it, with torch's defaults."""
+    (colocated) draft: the target loads after it, with torch's defaults. ``shard``: this
+    rank's place in a tensor-parallel group (its share of the model is loaded, eager)."""
     show_info_logs()
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-    device = _device(spec)
+    device = worker_device(spec)
     mode = spec.execution_mode or default_execution_mode(torch.device(device).type)
+    if spec.tensor_parallel_size > 1:
+        mode = EAGER  # (ModelSpec refuses any other mode set with it)
     if mode != EAGER:
         use_compile_cache(spec.compile_cache_dir)
     logger.info("loading %s (%s) on %s, %s", spec.model, spec.dtype, device, mode)
@@ -109,6 +115,7 @@ def load_runner(
         # The largest passes run once first: their peak memory stays out of the budget.
         reserve_activations=True,
         verifies=verifies,
+        shard=shard,
     )
     if not defer_kv:
         configure_thread(spec)  # after loading: from_pretrained may use the default device

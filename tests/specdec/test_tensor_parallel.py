@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import socket
 from contextlib import contextmanager
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
-from specdec.rank_group import MirroredRunner, RankGroup, run_rank
+from specdec.rank_group import lead, run_rank
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.tensor_parallel import TensorParallelError, shard_model, shard_plan
@@ -40,17 +41,19 @@ def _free_port() -> int:
 def two_ranks(model: str, timeout_s: float = 30.0, **kwargs):
     """A runner of ``model`` split over two ranks: rank 0 here (yielded with rank 1's
     process), rank 1 in a spawned process following it."""
-    kwargs = {**RUNNER, **kwargs}
+    make = partial(ModelRunner, model, **{**RUNNER, **kwargs})
     init = f"tcp://127.0.0.1:{_free_port()}"
     child = multiprocessing.get_context("spawn").Process(
-        target=run_rank, args=(model, 1, 2, init, kwargs, timeout_s), daemon=True
+        target=run_rank, args=(make, 1, 2, init, "cpu", timeout_s), daemon=True
     )
     child.start()
-    group = RankGroup(0, 2, init, "cpu", timeout_s)
+    split = None
     try:
-        yield MirroredRunner(ModelRunner(model, shard=group.shard(), **kwargs), group), child
+        split = lead(make, 2, init, "cpu", timeout_s)
+        yield split, child
     finally:
-        group.close()
+        if split is not None:
+            split.close()
         child.join(timeout_s)
         if child.is_alive():
             child.kill()

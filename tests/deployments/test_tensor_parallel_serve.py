@@ -1,0 +1,102 @@
+"""A target split over two ranks (``target.tensor_parallel_size: 2``) through Ray Serve: the
+core is rank 0, a TensorParallelRank actor rank 1, gloo between them. Greedy output through
+the engine and over HTTP equals transformers ``generate`` of the target for the families
+the issue names, with the draft in its own actor and colocated; health shows each rank;
+a rank SIGKILLed under load takes its group down, the core is replaced with a fresh group,
+and every request completes with the same tokens."""
+
+import time
+
+import pytest
+from openai import OpenAI
+from ray import serve
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from deployments.app import build_specserve_app
+from deployments.config import AppConfig
+from tests.conftest import EAGER
+from tests.deployments.test_families_http import eos_ids
+from tests.specdec.test_families import prompts, reference
+
+NEW_TOKENS = 20
+
+
+def split_app(name: str, family_dirs, draft_placement: str = "actor", **faults):
+    target, draft, tokenizer = family_dirs
+    model = {"tokenizer": tokenizer, "num_threads": 1, "max_model_len": 512, **EAGER}
+    cfg = AppConfig.model_validate(
+        {
+            "engine": {
+                "target": {"model": target, "tensor_parallel_size": 2, **model},
+                "draft": {"model": draft, **model},
+                "served_model_name": name,
+                "draft_placement": draft_placement,
+                "engine_resources": {"num_cpus": 0.5},
+                "target_resources": {"num_cpus": 1},
+                "draft_resources": {"num_cpus": 1},
+                "speculation": {"num_speculative_tokens": 4, "policy": "fixed"},
+                "faults": {"startup_timeout_s": 180, **faults},
+            },
+            "monitoring": {"enabled": False},
+        }
+    )
+    return build_specserve_app(config=cfg, name=name)
+
+
+@pytest.mark.parametrize(
+    ("family", "draft_placement"),
+    [
+        ("llama3", "actor"),  # 8 query / 2 KV heads: each rank holds one KV head
+        ("qwen2.5", "actor"),  # 1 KV head: replicated on both ranks
+        ("qwen3", "actor"),  # q/k norms, a head_dim of its own
+        ("mistral", "actor"),  # every layer slides
+        ("llama3", "colocated"),  # the draft in rank 0's process
+    ],
+)
+def test_split_target_served_exactly(family, draft_placement, family_models, serve_http):
+    dirs = family_models[family]
+    tokenizer = AutoTokenizer.from_pretrained(dirs[2])
+    hf = AutoModelForCausalLM.from_pretrained(dirs[0])
+    eos = eos_ids(hf, tokenizer)
+    name = f"tp-{family.replace('.', '')}-{draft_placement}"
+    handle = serve.run(split_app(name, dirs, draft_placement), name=name, route_prefix=f"/{name}")
+    client = OpenAI(base_url=f"{serve_http}/{name}/v1", api_key="unused", max_retries=0)
+    try:
+        accepted = 0
+        for prompt in prompts(tokenizer)[:2]:
+            expected = reference(hf, prompt, NEW_TOKENS, eos)
+            chunks = list(
+                handle.options(stream=True).generate.remote(
+                    {
+                        "prompt_token_ids": prompt,
+                        "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS},
+                    }
+                )
+            )
+            assert [t for c in chunks for t in c["new_token_ids"]] == expected, family
+            text = tokenizer.decode(prompt, skip_special_tokens=True)
+            resp = client.completions.create(
+                model=name, prompt=text, max_tokens=NEW_TOKENS, temperature=0
+            )
+            assert resp.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+            accepted += resp.model_extra["speculation"]["accepted"]
+        assert accepted > 0
+        group = _settled_group(handle)
+        assert group["size"] == 2 and group["calls"] > 0
+        assert [r["rank"] for r in group["ranks"]] == [1]
+        assert group["ranks"][0]["calls"] == group["calls"]  # every call reached rank 1
+    finally:
+        serve.delete(name)
+
+
+def _settled_group(handle, wait_s: float = 30.0) -> dict:
+    """The replica's ``tensor_parallel`` health once rank 1 has run every call rank 0
+    broadcast (the health the replica holds is refreshed by its polls: a snapshot taken
+    while a call ran may count it on rank 0 only); the last one seen if that never comes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        group = handle.health_info.remote().result()["tensor_parallel"]
+        settled = group is not None and group["ranks"][0].get("calls") == group["calls"]
+        if settled or time.monotonic() > deadline:
+            return group
+        time.sleep(0.5)
