@@ -5,7 +5,10 @@ the issue names, with the draft in its own actor and colocated; health shows eac
 a rank SIGKILLed under load takes its group down, the core is replaced with a fresh group,
 and every request completes with the same tokens."""
 
+import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
@@ -100,3 +103,45 @@ def _settled_group(handle, wait_s: float = 30.0) -> dict:
         if settled or time.monotonic() > deadline:
             return group
         time.sleep(0.5)
+
+
+def _rank_pid(handle) -> int:
+    """Rank 1's process id, as the core's health reports it through the replica."""
+    return _settled_group(handle)["ranks"][0]["pid"]
+
+
+def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http):
+    """48 greedy requests through the engine, 8 at a time; once the first has finished,
+    rank 1 is SIGKILLed. Its group fails at the next pass, the core exits and is replaced
+    with a new group, and every request completes with the tokens transformers gives."""
+    dirs = family_models["llama3"]
+    tokenizer = AutoTokenizer.from_pretrained(dirs[2])
+    hf = AutoModelForCausalLM.from_pretrained(dirs[0])
+    eos = eos_ids(hf, tokenizer)
+    base = prompts(tokenizer)
+    jobs = [base[i % len(base)][: 20 + i % 17] for i in range(48)]  # mixed lengths
+    expected = [reference(hf, p, 32, eos) for p in jobs]
+    name = "tp-kill"
+    handle = serve.run(split_app(name, dirs), name=name, route_prefix=f"/{name}")
+    first_done = []
+
+    def complete(ids: list[int]) -> list[int]:
+        request = {"prompt_token_ids": ids, "params": {"temperature": 0.0, "max_tokens": 32}}
+        chunks = list(handle.options(stream=True).generate.remote(request))
+        first_done.append(True)
+        return [t for c in chunks for t in c["new_token_ids"]]
+
+    try:
+        old = _rank_pid(handle)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(complete, ids) for ids in jobs]
+            while not first_done:
+                time.sleep(0.01)  # (waits for the first answer; no work stands in)
+            os.kill(old, signal.SIGKILL)
+            outputs = [f.result(timeout=600) for f in futures]
+        assert outputs == expected
+        health = handle.health_info.remote().result()
+        assert health["target_restarts"] >= 1
+        assert _rank_pid(handle) != old  # a new group serves
+    finally:
+        serve.delete(name)
