@@ -16,6 +16,7 @@ whoever owns it replaces it whole. gloo on CPU, NCCL on GPU.
 from __future__ import annotations
 
 import logging
+import pickle
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,12 +61,18 @@ class RankCall:
 
 
 STOP = RankCall("")
+# How long an idle rank waits for rank 0's next call: for good (see RankGroup.receive).
+IDLE_WAIT = timedelta(days=365)
+# How long ranks wait for each other to join: a rank is an actor that Ray may still be
+# starting (a process, torch's import) when the core joins.
+JOIN_TIMEOUT_S = 600.0
 
 
 class RankGroup:
     """This process's place in a group of ``world_size`` ranks (one per device), joined
-    through ``init_method`` (``tcp://host:port`` of rank 0). ``timeout_s``: how long a
-    collective waits for a rank before it raises (the group's watchdog)."""
+    through ``init_method`` (``tcp://host:port`` of rank 0) within ``join_timeout_s``.
+    ``timeout_s``: how long a collective waits for a rank before it raises (the group's
+    watchdog), but for an idle rank's wait for the next call (:meth:`receive`)."""
 
     def __init__(
         self,
@@ -74,6 +81,7 @@ class RankGroup:
         init_method: str,
         device: str = "cpu",
         timeout_s: float = 60.0,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
     ):
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
@@ -83,35 +91,56 @@ class RankGroup:
             init_method=init_method,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=join_timeout_s),  # the wait for every rank to join
         )
+        self._pg = dist.distributed_c10d._get_default_group()
+        self._timeout = timedelta(seconds=timeout_s)  # every collective's, after
         self.calls = 0  # calls broadcast (rank 0) or received (the others)
 
     def shard(self) -> ModelShard:
         """What a runner needs of the group to load its share of a model."""
         return ModelShard(self.world_size, self.rank, self.all_reduce, self.min_over_ranks)
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place."""
-        dist.all_reduce(tensor)
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """Sum ``tensor`` over the ranks, in place, within the timeout."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = op, self._timeout
+        self._pg.allreduce([tensor], opts).wait()
 
     def min_over_ranks(self, value: int) -> int:
         """The least of ``value`` over the ranks (the KV slots every rank can hold)."""
         t = torch.tensor([value], dtype=torch.long, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        self.all_reduce(t, dist.ReduceOp.MIN)
         return int(t.item())
 
     def broadcast(self, call: RankCall) -> None:
-        """Rank 0: send ``call`` to every other rank."""
-        dist.broadcast_object_list([call], src=0, device=self.device)
+        """Rank 0: send ``call`` to every other rank (its size, then its pickled bytes)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(call)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+        self._broadcast(size, self._timeout)
+        self._broadcast(payload, self._timeout)
         self.calls += 1
 
     def receive(self) -> RankCall:
-        """Another rank: the next call rank 0 broadcast (blocks until it comes)."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, device=self.device)
+        """Another rank: the next call rank 0 broadcast. Waits for it without a limit: an
+        idle rank 0 sends nothing, and one that died closes its connections, which ends
+        the wait at once; the call's bytes, once announced, come within the timeout."""
+        size = torch.zeros(1, dtype=torch.long)
+        self._broadcast(size, IDLE_WAIT)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(payload, self._timeout)
         self.calls += 1
-        return box[0]
+        return pickle.loads(payload.numpy().tobytes())
+
+    def _broadcast(self, tensor: torch.Tensor, timeout: timedelta) -> None:
+        """Rank 0's ``tensor`` into every rank's, waiting at most ``timeout`` (on the
+        group's device; host tensors in and out)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.timeout = 0, timeout
+        moved = tensor.to(self.device)
+        self._pg.broadcast([moved], opts).wait()
+        if moved is not tensor:
+            tensor.copy_(moved)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -551,6 +551,8 @@ class EngineCore:
         try:
             done = step(batch)
         except Exception:
+            if self.ranks:  # a split target's pass failed part-way: its group is out of
+                raise  # step for good (the loop exits for a replacement, _exit_with_group)
             done = []
             for item in batch:
                 try:

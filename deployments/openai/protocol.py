@@ -409,6 +409,27 @@ class DraftChannelState(BaseModel):
     )
 
 
+class RankState(BaseModel):
+    rank: int = Field(description="Its index in the group (1 .. size - 1; the core is 0).")
+    pid: int | None = Field(default=None, description="Its process, on the core's node.")
+    calls: int | None = Field(
+        default=None,
+        description="Runner calls it has run for the core (equal to the "
+        "core's when it has caught up).",
+    )
+    error: str | None = Field(
+        default=None,
+        description="Why it did not answer (dead or hung: the group fails at "
+        "its next pass and is replaced).",
+    )
+
+
+class TensorParallelState(BaseModel):
+    size: int = Field(description="Ranks the target is split over (tensor_parallel_size).")
+    calls: int = Field(description="Runner calls the core (rank 0) broadcast to the group.")
+    ranks: list[RankState] = Field(description="The other ranks, as each answered.")
+
+
 class Health(BaseModel):
     status: Literal["ok", "warming", "degraded", "unavailable"] = Field(
         description="ok: serving with speculation; warming: compiling the models' graphs "
@@ -451,5 +472,10 @@ class Health(BaseModel):
         description="The draft actor's round messages: whether the direct channel is "
         "connected, and messages sent by route. None with a colocated draft, the "
         "compiled_graph transport or direct_channel: false, or until the core reports.",
+    )
+    tensor_parallel: TensorParallelState | None = Field(
+        default=None,
+        description="A target split over ranks (target.tensor_parallel_size > 1): each "
+        "rank as it answered the core. None for a whole target, or until the core reports.",
     )
     error: str | None = Field(default=None, description="Why the replica cannot serve.")

@@ -31,18 +31,25 @@ def test_serve_config_args_validate(name, config):
         assert placement.draft_bundle is not None, f"{name} should place a draft actor"
 
 
-def test_kuberay_spreads_draft_and_target():
+def test_kuberay_splits_the_target_and_pins_each_worker_to_its_node_group():
+    """The manifest's app: a 70B target over four ranks, each asking for a `target` node's
+    resource, and the draft for a `draft` node's; PACK (the ranks share a node)."""
     manifest = yaml.safe_load((CLUSTER / "kuberay-rayservice.yaml").read_text())
     args = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]
     cfg = AppConfig.model_validate(args)
-    assert cfg.engine.placement_strategy == "STRICT_SPREAD"
-    groups = {
-        g["groupName"]: g["rayStartParams"]["resources"]
-        for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    }
-    assert "target" in groups["target-gpu"] and "draft" in groups["draft-gpu"]
+    assert cfg.engine.placement_strategy == "PACK"
+    assert cfg.engine.target.tensor_parallel_size == 4
+    assert len(placement_for(cfg.engine).rank_bundles) == 3
+    groups = {g["groupName"]: g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert "target" in groups["target-gpu"]["rayStartParams"]["resources"]
+    assert "draft" in groups["draft-gpu"]["rayStartParams"]["resources"]
+    target_node = groups["target-gpu"]["template"]["spec"]["containers"][0]["resources"]
+    assert int(target_node["limits"]["nvidia.com/gpu"]) >= cfg.engine.target.tensor_parallel_size
     assert cfg.engine.target_resources.resources == {"target": 1}
     assert cfg.engine.draft_resources.resources == {"draft": 1}
+    # The draft's GPU is no slower than the target's (README, "Sizing the draft's device").
+    selectors = {n: g["template"]["spec"]["nodeSelector"] for n, g in groups.items()}
+    assert selectors["draft-gpu"] == selectors["target-gpu"]
 
 
 def test_ray_cluster_yaml_labels_node_types():

@@ -65,13 +65,15 @@ def local_shape(config: dict[str, Any], port: int) -> dict[str, Any]:
     (app,) = config["applications"]
     args = app["args"]
     engine = args["engine"]
-    # eager: these deployments are about placement (demo.yaml compiled: test_serve_deploy)
-    engine["target"] = {**DEMO_ENGINE["target"], **EAGER}
+    # eager: these deployments are about placement (demo.yaml compiled: test_serve_deploy);
+    # a split target stays split (the demo target's 4 heads split over 2 or 4 ranks)
+    ranks = engine["target"].get("tensor_parallel_size", 1)
+    engine["target"] = {**DEMO_ENGINE["target"], **EAGER, "tensor_parallel_size": ranks}
     engine["draft"] = {**DEMO_ENGINE["draft"], **EAGER}
     engine["engine_resources"] = local_resources(engine.get("engine_resources", {}), None, 0.5)
-    for role in ("target", "draft"):
-        key = f"{role}_resources"
-        engine[key] = local_resources(engine.get(key, {}), role, 1.0)
+    for role, count in (("target", ranks), ("draft", 1)):
+        key = f"{role}_resources"  # (a split target's ranks share a 2-core node)
+        engine[key] = local_resources(engine.get(key, {}), role, 1.0 / count)
     scheduler = engine.setdefault("scheduler", {})
     scheduler["max_num_seqs"] = min(scheduler.get("max_num_seqs", 4), 4)
     args.pop("autoscaling_config", None)
@@ -148,8 +150,9 @@ def reservation(actor: dict[str, Any]) -> tuple[dict[str, float], int]:
 
 
 def placed_actors(dashboard: Dashboard, app_name: str) -> dict[str, dict[str, Any]]:
-    """The app's replica and its target and draft workers: node, node resources, placement
-    group, bundle and reserved resources of each (the replica's workers share its group)."""
+    """The app's replica, its target and draft workers and a split target's other ranks
+    (``rank-0`` ...): node, node resources, placement group, bundle and reserved resources
+    of each (the replica's workers share its group)."""
     nodes = {n["node_id"]: n["resources_total"] for n in dashboard.state("nodes", state="ALIVE")}
     actors = dashboard.state("actors", state="ALIVE")
     # Deployment `SpecServe` (build_specserve_app's default name), not its monitor.
@@ -160,6 +163,13 @@ def placed_actors(dashboard: Dashboard, app_name: str) -> dict[str, dict[str, An
         mine = [a for a in actors if a["class_name"] == cls and a["placement_group_id"] == pg]
         if mine or role == "target":  # (a colocated draft has no actor of its own)
             (found[role],) = mine
+    ranks = [
+        a
+        for a in actors
+        if a["class_name"] == "TensorParallelRank" and a["placement_group_id"] == pg
+    ]
+    for i, actor in enumerate(ranks):
+        found[f"rank-{i}"] = actor
     out = {}
     for role, actor in found.items():
         resources, bundle = reservation(actor)
@@ -230,6 +240,13 @@ def test_committed_config_deploys_with_its_shape(
         # A worker pinned by a custom resource runs on a node that offers it.
         for resource in engine[f"{role}_resources"].get("resources", {}):
             assert resource in actor["node_resources"], (role, resource, actor)
+    # A split target's other ranks: one actor per rank bundle, with the target's resources,
+    # on the target's node.
+    ranks = [placed[r] for r in placed if r.startswith("rank-")]
+    assert sorted(r["bundle"] for r in ranks) == list(placement.rank_bundles)
+    for rank in ranks:
+        assert rank["resources"] == claim(engine["target_resources"])
+        assert rank["node_id"] == placed["target"]["node_id"]
     if placement.strategy == "STRICT_SPREAD":
         assert placed["target"]["node_id"] != placed["draft"]["node_id"]
         # The replica shares the target's bundle, hence its node.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import time
 from contextlib import contextmanager
 from functools import partial
 
@@ -181,3 +182,19 @@ def test_a_rank_that_dies_fails_the_next_pass(family_models):
         child.join(10)
         with pytest.raises(RuntimeError):
             split.forward(["a"], [[4]])
+
+
+def test_ranks_wait_idle_past_the_timeout(family_models):
+    """The other ranks wait for rank 0's next call without a limit: idle for longer than
+    the group's timeout (a server between requests), the group still serves; the timeout
+    bounds only a pass that has begun."""
+    target_dir = family_models["llama3"][0]
+    with two_ranks(target_dir, timeout_s=2.0) as (split, child):
+        first = split.prefill(["a"], [[1, 2, 3]])
+        time.sleep(4.0)  # idle: what is under test, not a stand-in for work
+        assert child.is_alive()
+        second = split.forward(["a"], [[4]])[0]
+        assert first.shape[-1] == second.shape[-1]
+        split.stop_followers()
+        child.join(30)
+        assert child.exitcode == 0
