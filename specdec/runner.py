@@ -55,6 +55,7 @@ from specdec.row_attention import (
     RowSpans,
     sdpa_backends,
 )
+from specdec.shard_loading import load_shard
 from specdec.tensor_parallel import ModelShard, TensorParallelError, shard_model, shard_plan
 
 # Attention kinds a runner takes (ModelRunner._attention_choice says what each does).
@@ -177,12 +178,17 @@ class ModelRunner:
         self.attention = attention_layout(self.config)  # refuses what it cannot mask
         split = self.shard is not None and self.shard.world_size > 1
         plan = shard_plan(self.config, self.shard.world_size) if split else None
-        if isinstance(model, str):
-            model_name, model = model, _load_model(model, _DTYPES[dtype], trust_remote_code)
+        model_name = model if isinstance(model, str) else type(model).__name__
+        share = None
+        if isinstance(model, str) and plan is not None and not trust_remote_code:
+            share = load_shard(model, self.config, plan, self.shard, _DTYPES[dtype], self.device)
+        if share is not None:  # this rank's parts alone, read from the checkpoint
+            model = share
         else:
-            model_name = type(model).__name__
-        if plan is not None:
-            shard_model(model, plan, self.shard.rank, self.shard.all_reduce)
+            if isinstance(model, str):
+                model = _load_model(model, _DTYPES[dtype], trust_remote_code)
+            if plan is not None:  # the whole model here: cut it
+                shard_model(model, plan, self.shard.rank, self.shard.all_reduce)
         self.model = model.to(self.device)
         self.model.eval()
         return model_name

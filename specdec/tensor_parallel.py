@@ -128,37 +128,65 @@ def _matches(pattern: str, name: str) -> bool:
     return all(p in ("*", n) for p, n in zip(parts, names, strict=True))
 
 
+@dataclass(frozen=True)
+class Slicing:
+    """How a parameter of the whole model becomes a rank's: the ``index`` range along
+    ``dim`` (rows of a column-wise layer, columns of a row-wise one), or zeros (a row-wise
+    layer's bias off rank 0: the sum adds it once)."""
+
+    dim: int
+    index: slice
+    zero: bool = False
+
+    def take(self, tensor) -> torch.Tensor:
+        """This rank's part of ``tensor`` (a tensor, or a safetensors slice: only that
+        part is read from the file)."""
+        part = tensor[self.index] if self.dim == 0 else tensor[:, self.index]
+        return torch.zeros_like(part) if self.zero else part
+
+
 def shard_model(
     model: torch.nn.Module,
     plan: ShardPlan,
     rank: int,
     all_reduce: Callable[[torch.Tensor], None],
-) -> list[str]:
-    """Keep rank ``rank``'s share of every planned layer of ``model``, in place, and sum
-    each row-wise layer's output over the group with ``all_reduce``. Returns the modules
-    split (names inside the base model). Call on every rank with the same model."""
+) -> dict[str, Slicing]:
+    """Keep rank ``rank``'s share of every planned layer of ``model``, in place (on the
+    meta device too: then only the shapes change), and sum each row-wise layer's output
+    over the group with ``all_reduce``. Returns how each split parameter was cut, by its
+    name in ``model``. Call on every rank with the same model."""
     if not 0 <= rank < plan.world_size:
         raise TensorParallelError(f"rank {rank} of {plan.world_size}")
     # The plan names modules inside the decoder ("layers.*..."), which a composite model
     # (Gemma 3: vision and text) keeps deeper than its base model.
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
-    done = []
+    prefix = next(n for n, m in model.named_modules() if m is base)
+    cuts: dict[str, Slicing] = {}
     for name, module in base.named_modules():
         style = next((s for p, s in plan.styles.items() if _matches(p, name)), None)
-        if style in (COLWISE, ROWWISE):
-            if not isinstance(module, torch.nn.Linear):
-                raise TensorParallelError(f"{name} is {type(module).__name__}, not a Linear")
-            if style == COLWISE:
-                _split_outputs(module, _output_rows(name, module, plan, rank))
-            else:
-                _split_inputs(module, plan, rank, all_reduce)
-            done.append(name)
-    if not done:
+        if style not in (COLWISE, ROWWISE):
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            raise TensorParallelError(f"{name} is {type(module).__name__}, not a Linear")
+        if style == COLWISE:
+            rows = Slicing(0, _output_rows(name, module, plan, rank))
+            own = {"weight": rows, "bias": rows}
+        else:
+            own = _split_inputs(module, plan, rank, all_reduce)
+        full = f"{prefix}.{name}" if prefix else name
+        for kind, cut in own.items():
+            param = getattr(module, kind)
+            if param is not None:
+                part = cut.take(param.data).clone()  # (a copy: the whole tensor is freed)
+                setattr(module, kind, torch.nn.Parameter(part, requires_grad=False))
+                cuts[f"{full}.{kind}"] = cut
+        module.out_features, module.in_features = module.weight.shape
+    if not cuts:
         raise TensorParallelError(f"no module of {type(model).__name__} matches its plan")
     for module in base.modules():  # attention that repeats KV heads reads this ratio
         if hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = plan.local_heads // plan.local_kv_heads
-    return done
+    return cuts
 
 
 def _output_rows(name: str, module: torch.nn.Linear, plan: ShardPlan, rank: int) -> slice:
@@ -176,37 +204,29 @@ def _output_rows(name: str, module: torch.nn.Linear, plan: ShardPlan, rank: int)
     return slice(rank * share, (rank + 1) * share)
 
 
-def _split_outputs(module: torch.nn.Linear, rows: slice) -> None:
-    with torch.no_grad():
-        module.weight = torch.nn.Parameter(module.weight[rows].clone(), requires_grad=False)
-        if module.bias is not None:
-            module.bias = torch.nn.Parameter(module.bias[rows].clone(), requires_grad=False)
-    module.out_features = module.weight.shape[0]
-
-
 def _split_inputs(
     module: torch.nn.Linear,
     plan: ShardPlan,
     rank: int,
     all_reduce: Callable[[torch.Tensor], None],
-) -> None:
-    """Keep ``rank``'s input features; the bias is added once (on rank 0) to the sum."""
+) -> dict[str, Slicing]:
+    """The cuts of a row-wise layer (``rank``'s input features; the bias added once, on
+    rank 0, to the sum), whose output is summed over the ranks from now on."""
     features, n = module.in_features, plan.world_size
     if features % n:
         raise TensorParallelError(f"{features} input features do not split over {n} ranks")
     share = features // n
-    cols = slice(rank * share, (rank + 1) * share)
-    with torch.no_grad():
-        module.weight = torch.nn.Parameter(module.weight[:, cols].clone(), requires_grad=False)
-        if module.bias is not None and rank != 0:
-            module.bias.zero_()
-    module.in_features = share
+    whole = slice(0, module.out_features)
 
     def summed(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
         all_reduce(output)
         return output
 
     module.register_forward_hook(summed)
+    return {
+        "weight": Slicing(1, slice(rank * share, (rank + 1) * share)),
+        "bias": Slicing(0, whole, zero=rank != 0),
+    }
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from specdec.proposers import DraftModelProposer
 from specdec.rank_group import lead, run_rank
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
-from specdec.tensor_parallel import TensorParallelError, shard_model, shard_plan
+from specdec.shard_loading import load_shard
+from specdec.tensor_parallel import ModelShard, TensorParallelError, shard_model, shard_plan
 from tests.model_families import FAMILIES
 from tests.specdec.test_families import prompts, reference
 
@@ -198,3 +199,27 @@ def test_ranks_wait_idle_past_the_timeout(family_models):
         split.stop_followers()
         child.join(30)
         assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "qwen3"])
+def test_a_rank_reads_only_its_share_of_the_checkpoint(name, family_models):
+    """Read by parts (shapes on the meta device, rows or columns from the safetensors
+    file), a rank's model is the whole model cut to its share: every parameter and buffer
+    equal, the tied head (Qwen 3) tied, the replicated KV head (Qwen 2.5) whole, the
+    generation config (its EOS ids) the checkpoint's."""
+    target = family_models[name][0]
+    config = AutoConfig.from_pretrained(target)
+    plan = shard_plan(config, 2)
+    for rank in range(2):
+        shard = ModelShard(2, rank, _never, lambda n: n)
+        part = load_shard(target, config, plan, shard, torch.float32, torch.device("cpu"))
+        assert part is not None
+        whole = AutoModelForCausalLM.from_pretrained(target)
+        shard_model(whole, plan, rank, all_reduce=_never)
+        got, want = part.state_dict(), whole.state_dict()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (name, rank, key)
+        head, embed = part.get_output_embeddings(), part.get_input_embeddings()
+        assert (head.weight is embed.weight) == bool(config.tie_word_embeddings)
+        assert part.generation_config.eos_token_id == whole.generation_config.eos_token_id
