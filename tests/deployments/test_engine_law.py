@@ -176,15 +176,18 @@ async def _collect(engine: EngineClient, job: Job) -> Sample:
     return sample
 
 
-@pytest.fixture(scope="module", params=["actor", "colocated"])
+@pytest.fixture(scope="module", params=["actor", "colocated", "actor-tp2"])
 def engine_run(request, ray_local, tiny_target, tiny_draft):
     """The whole workload through one engine in each shape: an overlap-mode draft actor,
-    and a draft in the core's process (sequential); (samples, seconds, draft stats)."""
+    a draft in the core's process (sequential), and a draft actor beside a target split
+    over two ranks (tensor parallelism: its logits are the whole target's up to the order
+    of float sums); (samples, seconds, draft stats)."""
     colocated = request.param == "colocated"
+    ranks = 2 if request.param.endswith("-tp2") else 1
     cfg = EngineConfig.model_validate(
         {
-            "draft_placement": request.param,
-            "target": {"model": tiny_target, **EAGER},
+            "draft_placement": request.param.removesuffix("-tp2"),
+            "target": {"model": tiny_target, "tensor_parallel_size": ranks, **EAGER},
             "draft": {"model": tiny_draft, **EAGER},
             "scheduler": {"max_num_seqs": 16, "max_waiting": 10_000},
             "target_resources": {"num_cpus": 1},
@@ -217,6 +220,9 @@ def engine_run(request, ray_local, tiny_target, tiny_draft):
             t0 = time.monotonic()
             samples = await asyncio.gather(*[_collect(engine, j) for j in jobs])
             seconds = time.monotonic() - t0
+            if ranks > 1:  # the target really ran split: rank 1 ran every runner call
+                group = (await engine.target.health.remote())["tensor_parallel"]
+                assert group["size"] == 2 and group["ranks"][0]["calls"] == group["calls"] > 0
             if colocated:
                 return samples, seconds, {"shape": "colocated"}
             return samples, seconds, {"shape": "actor", **await engine.draft.stats.remote()}
