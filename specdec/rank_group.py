@@ -96,6 +96,7 @@ class RankGroup:
         self._pg = dist.distributed_c10d._get_default_group()
         self._timeout = timedelta(seconds=timeout_s)  # every collective's, after
         self.calls = 0  # calls broadcast (rank 0) or received (the others)
+        self.call_bytes = 0  # their pickled bytes (the sums inside passes not counted)
 
     def shard(self) -> ModelShard:
         """What a runner needs of the group to load its share of a model."""
@@ -120,6 +121,7 @@ class RankGroup:
         self._broadcast(size, self._timeout)
         self._broadcast(payload, self._timeout)
         self.calls += 1
+        self.call_bytes += payload.numel()
 
     def receive(self) -> RankCall:
         """Another rank: the next call rank 0 broadcast. Waits for it without a limit: an
@@ -130,6 +132,7 @@ class RankGroup:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self._broadcast(payload, self._timeout)
         self.calls += 1
+        self.call_bytes += payload.numel()
         return pickle.loads(payload.numpy().tobytes())
 
     def _broadcast(self, tensor: torch.Tensor, timeout: timedelta) -> None:

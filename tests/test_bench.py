@@ -11,7 +11,9 @@ What runs, per module (each a few seconds on 2 cores):
 * ``bench.ttft``: its in-process part, the target's prefill time (``prefill_ms``);
 * ``bench.gpu``: ``--device cpu --smoke`` at batch 1 and 8 (tiny configs, ~25 s);
 * ``bench.syncs``: the engine core in process at batch 1 (demo pair, ~10 s);
-* ``bench.distill``: 4 served requests, 3 training steps, 2 probes per domain (~10 s).
+* ``bench.distill``: 4 served requests, 3 training steps, 2 probes per domain (~10 s);
+* ``bench.tensor_parallel``: batch 1, 4 tokens, 1 rep (the demo target whole and over two
+  ranks, rank 1 a spawned process; ~15 s).
 
 Imported (and their config builders validated against ``deployments.config``) but not
 run: ``bench.pipeline`` and ``bench.telemetry`` start Ray actors; ``bench.http`` needs a
@@ -135,6 +137,14 @@ def test_pair_smallest(results, monkeypatch):
                 assert 0 <= row["alpha_hat"] <= 1 and row["tokens_per_round"] >= 1
     for key in ("ms_per_token", "verify_ms", "tokens_per_s", "speedup_vs_target_only"):
         assert all(x > 0 for x in numbers(out[key])), key
+
+
+def test_tensor_parallel_smallest(results, monkeypatch):
+    argv = ["--batches", "1", "--tokens", "4", "--reps", "1", "--prompt-len", "8"]
+    out = run_main(monkeypatch, "bench.tensor_parallel", argv, results, "tensor_parallel")
+    row = out["results"]["1"]
+    assert set(row["tokens_per_s"]) == {"tp1", "tp2"} and row["tp2_over_tp1"] > 0
+    assert row["call_bytes_per_call"] > 0 and row["sum_bytes_per_pass"] > 0
 
 
 def test_heldout_prompts_are_deterministic_text():
