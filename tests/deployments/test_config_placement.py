@@ -269,3 +269,42 @@ def test_cuda_graphs_need_a_cuda_device():
         assert cfg(target=spec).target.execution_mode == "cuda_graph"
     with pytest.raises(ValidationError, match="execution_mode 'cuda_graph' needs a CUDA"):
         cfg(target={"model": "t", "device": "cpu", "execution_mode": "cuda_graph"})
+
+
+def test_a_split_target_gets_a_bundle_per_rank_after_the_others():
+    c = cfg(
+        target={"model": "t", "tensor_parallel_size": 4},
+        target_resources={"num_cpus": 2, "num_gpus": 1, "resources": {"target": 1}},
+        draft_resources={"num_gpus": 1, "resources": {"draft": 1}},
+    )
+    p = placement_for(c)
+    assert (p.target_bundle, p.draft_bundle, p.rank_bundles) == (1, 2, (3, 4, 5))
+    assert all(p.bundles[i] == p.bundles[p.target_bundle] for i in p.rank_bundles)
+    assert placement_for(cfg()).rank_bundles == ()  # a whole target: none
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"placement_strategy": "SPREAD"}, "SPREAD"),
+        ({"placement_strategy": "STRICT_SPREAD"}, "STRICT_SPREAD"),
+        ({"draft": {"model": "d", "tensor_parallel_size": 2}}, "draft.tensor_parallel_size"),
+        (
+            {
+                "target": {
+                    "model": "t",
+                    "tensor_parallel_size": 2,
+                    "execution_mode": "torch_compile",
+                }
+            },
+            "runs eager",
+        ),
+        ({"target": {"model": "t", "tensor_parallel_size": 0}}, "tensor_parallel_size"),
+        ({"target": {"model": "t", "tensor_parallel_size": 65}}, "tensor_parallel_size"),
+        ({"faults": {"rank_timeout_s": 0}}, "rank_timeout_s"),
+    ],
+)
+def test_split_target_refusals_name_the_field(bad, field):
+    kw = {"target": {"model": "t", "tensor_parallel_size": 2}, **bad}
+    with pytest.raises(ValidationError, match=field):
+        cfg(**kw)
