@@ -123,13 +123,8 @@ class ModelRunner:
     ):
         check_transformers_version()
         check_execution_mode(execution_mode)
-        if shard is not None and shard.world_size > 1 and execution_mode != EAGER:
-            raise TensorParallelError(
-                f"tensor parallelism runs eager (execution_mode: {EAGER}), "
-                f"not {execution_mode}: a pass's sums across ranks are not in its graphs"
-            )
         # This rank's share of a tensor-parallel model (None: the whole model here).
-        self.shard = shard
+        self.shard = _checked_shard(shard, execution_mode)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
@@ -1191,6 +1186,16 @@ class ModelRunner:
         for sid in seq_ids:
             self.add(sid)
         return self.forward_padded(seq_ids, prompts, last_only=True)
+
+
+def _checked_shard(shard: ModelShard | None, execution_mode: str) -> ModelShard | None:
+    """``shard``, refused with anything but eager execution when it splits the model."""
+    if shard is not None and shard.world_size > 1 and execution_mode != EAGER:
+        raise TensorParallelError(
+            f"tensor parallelism runs eager (execution_mode: {EAGER}), "
+            f"not {execution_mode}: a pass's sums across ranks are not in its graphs"
+        )
+    return shard
 
 
 def _token_budget_groups(counts: list[int], budget: int) -> list[list[int]]:

@@ -240,14 +240,18 @@ def test_committed_config_deploys_with_its_shape(
         # A worker pinned by a custom resource runs on a node that offers it.
         for resource in engine[f"{role}_resources"].get("resources", {}):
             assert resource in actor["node_resources"], (role, resource, actor)
-    # A split target's other ranks: one actor per rank bundle, with the target's resources,
-    # on the target's node.
-    ranks = [placed[r] for r in placed if r.startswith("rank-")]
-    assert sorted(r["bundle"] for r in ranks) == list(placement.rank_bundles)
-    for rank in ranks:
-        assert rank["resources"] == claim(engine["target_resources"])
-        assert rank["node_id"] == placed["target"]["node_id"]
+    assert_ranks_placed(placed, placement.rank_bundles, engine["target_resources"])
     if placement.strategy == "STRICT_SPREAD":
         assert placed["target"]["node_id"] != placed["draft"]["node_id"]
         # The replica shares the target's bundle, hence its node.
         assert replica["node_id"] == placed["target"]["node_id"]
+
+
+def assert_ranks_placed(placed: dict, rank_bundles: tuple[int, ...], resources: dict) -> None:
+    """A split target's other ranks: one actor per rank bundle, with the target's
+    resources, on the target's node (none for a whole target)."""
+    ranks = [placed[r] for r in placed if r.startswith("rank-")]
+    assert sorted(r["bundle"] for r in ranks) == list(rank_bundles)
+    for rank in ranks:
+        assert rank["resources"] == claim(resources)
+        assert rank["node_id"] == placed["target"]["node_id"]
