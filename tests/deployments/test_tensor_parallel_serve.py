@@ -138,10 +138,16 @@ def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http):
             while not first_done:
                 time.sleep(0.01)  # (waits for the first answer; no work stands in)
             os.kill(old, signal.SIGKILL)
+            killed_at, done_before = time.monotonic(), len(first_done)
             outputs = [f.result(timeout=600) for f in futures]
         assert outputs == expected
         health = handle.health_info.remote().result()
         assert health["target_restarts"] >= 1
+        print(  # the recovery's figures (pytest -s)
+            f"rank 1 killed with {len(jobs) - done_before} requests unfinished: all "
+            f"{len(jobs)} completed equal {time.monotonic() - killed_at:.1f} s after the kill, "
+            f"{health['target_restarts']} target restart(s)"
+        )
         assert _rank_pid(handle) != old  # a new group serves
     finally:
         serve.delete(name)
