@@ -508,6 +508,12 @@ class EngineConfig(_Strict):
                 "draft.tensor_parallel_size > 1: only the target is split across ranks "
                 "for now; a draft fits one device"
             )
+        gpus = self.target_resources.num_gpus
+        if self.target.tensor_parallel_size > 1 and 0 < gpus < 1:
+            raise ValueError(
+                f"target_resources.num_gpus = {gpus:g} with tensor_parallel_size > 1: each "
+                "rank needs a GPU of its own (NCCL cannot join two ranks on one device)"
+            )
         if self.target.tensor_parallel_size > 1 and "SPREAD" in self.placement_strategy:
             raise ValueError(
                 f"target.tensor_parallel_size > 1 keeps the target's ranks on one node, "

@@ -42,8 +42,6 @@ MIRRORED = frozenset(
         "forward_padded",
         "prefill",
         "warm_up",
-        "load_weights",
-        "add_low_rank",
         "advance",
         "end_steps",
         "step_logits",
@@ -61,6 +59,11 @@ class RankCall:
 
 
 STOP = RankCall("")
+# After a mirrored call raised on rank 0: whether every rank raised at the same call (see
+# MirroredRunner._in_step), answered by each rank's "raised" flag and call count.
+CHECK = RankCall("check")
+# Calls that cannot be mirrored: new weights come whole (one rank's cut each would be needed).
+REFUSED = frozenset({"load_weights", "add_low_rank", "allocate_kv"})
 # How long an idle rank waits for rank 0's next call: for good (see RankGroup.receive).
 IDLE_WAIT = timedelta(days=365)
 # How long ranks wait for each other to join: a rank is an actor that Ray may still be
@@ -86,6 +89,8 @@ class RankGroup:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":  # NCCL works on the current device: this rank's
+            torch.cuda.set_device(self.device)
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -100,13 +105,31 @@ class RankGroup:
 
     def shard(self) -> ModelShard:
         """What a runner needs of the group to load its share of a model."""
-        return ModelShard(self.world_size, self.rank, self.all_reduce, self.min_over_ranks)
+        return ModelShard(
+            self.world_size, self.rank, self.all_reduce, self.min_over_ranks, self.barrier
+        )
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """Sum ``tensor`` over the ranks, in place, within the timeout."""
         opts = dist.AllreduceOptions()
         opts.reduceOp, opts.timeout = op, self._timeout
         self._pg.allreduce([tensor], opts).wait()
+
+    def agree(self, raised: bool) -> bool:
+        """Whether every rank's last call ``raised`` alike, at the same call count."""
+        high = torch.tensor([int(raised), self.calls], device=self.device)
+        low = high.clone()
+        self.all_reduce(high, dist.ReduceOp.MAX)
+        self.all_reduce(low, dist.ReduceOp.MIN)
+        return bool(torch.equal(high, low))
+
+    def barrier(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Wait until every rank is here, for up to ``timeout_s`` (ranks that load their
+        share at different speeds meet before the first pass, whose sums time out sooner)."""
+        t = torch.zeros(1, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = dist.ReduceOp.SUM, timedelta(seconds=timeout_s)
+        self._pg.allreduce([t], opts).wait()
 
     def min_over_ranks(self, value: int) -> int:
         """The least of ``value`` over the ranks (the KV slots every rank can hold)."""
@@ -160,21 +183,46 @@ def free_port(host: str = "") -> int:
 
 class MirroredRunner:
     """Rank 0's runner: a call in :data:`MIRRORED` is broadcast, then run here; anything
-    else (attributes, reads) is the local runner's. Stands in for a ``ModelRunner``."""
+    else (attributes, reads) is the local runner's. Stands in for a ``ModelRunner``.
+
+    A mirrored call that raises here (a request past the context, an unknown sequence)
+    raised on every rank alike when it failed before its first sum: then the group is
+    still in step and the caller may go on (failing that request alone). Anything else
+    leaves the ranks out of step for good: :attr:`broken` says so, and the group must be
+    replaced whole."""
 
     def __init__(self, runner, group: RankGroup):
         self._runner, self._group = runner, group
+        self.broken = False
 
     def __getattr__(self, name: str):
         attr = getattr(self._runner, name)
+        if name in REFUSED:
+            raise AttributeError(f"{name}: not for a model split over ranks")
         if name not in MIRRORED:
             return attr
 
         def mirrored(*args, **kwargs):
-            self._group.broadcast(RankCall(name, args, kwargs))
-            return attr(*args, **kwargs)
+            if self.broken:
+                raise RuntimeError("the tensor-parallel group is out of step")
+            try:
+                self._group.broadcast(RankCall(name, args, kwargs))
+                return attr(*args, **kwargs)
+            except Exception:
+                self.broken = not self._in_step()
+                raise
 
         return mirrored
+
+    def _in_step(self) -> bool:
+        """Whether every rank raised at the last call, at the same call count (a check of
+        its own: two sums); False where the check itself fails."""
+        try:
+            self._group.broadcast(CHECK)
+            return self._group.agree(raised=True)
+        except Exception:
+            logger.exception("tensor-parallel group check failed")
+            return False
 
     @property
     def group(self) -> RankGroup:
@@ -191,17 +239,26 @@ class MirroredRunner:
 
 def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None = None) -> int:
     """Another rank's loop: run each call rank 0 broadcasts on this rank's ``runner``
-    until :data:`STOP`; returns the calls run. A call that raises here raises out of the
-    loop (rank 0 then stalls in that pass's sums until the timeout: the group fails
-    together)."""
-    done = 0
+    until :data:`STOP`; returns the calls run. A call that raises here is logged and the
+    loop goes on: rank 0's next call is then its :data:`CHECK` (whether every rank raised
+    alike) if it raised too, or its next pass stalls on this rank's missing sums until the
+    timeout if this rank raised alone mid-pass (the group fails together)."""
+    done, raised = 0, False
     while True:
         call = group.receive()
         if not call.method:
             return done
+        if call.method == CHECK.method:
+            group.agree(raised)
+            continue
         if call.method not in MIRRORED:
             raise ValueError(f"rank {group.rank}: {call.method!r} is not a mirrored call")
-        getattr(runner, call.method)(*call.args, **call.kwargs)
+        try:
+            getattr(runner, call.method)(*call.args, **call.kwargs)
+            raised = False
+        except Exception:
+            logger.exception("rank %d: %s raised", group.rank, call.method)
+            raised = True
         done += 1
         if on_call is not None:
             on_call(call)

@@ -124,7 +124,7 @@ class ModelRunner:
         check_transformers_version()
         check_execution_mode(execution_mode)
         # This rank's share of a tensor-parallel model (None: the whole model here).
-        self.shard = _checked_shard(shard, execution_mode)
+        self.shard = _checked_shard(shard, execution_mode, defer_kv)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
@@ -186,6 +186,8 @@ class ModelRunner:
                 shard_model(model, plan, self.shard.rank, self.shard.all_reduce)
         self.model = model.to(self.device)
         self.model.eval()
+        if plan is not None and self.shard.barrier is not None:
+            self.shard.barrier()  # the first pass's sums wait rank_timeout_s, not a load
         return model_name
 
     def _set_attention(self, attention_backend: str, execution_mode: str) -> None:
@@ -502,12 +504,22 @@ class ModelRunner:
                     self._check_spans()
                     break
                 except Exception as exc:  # whatever the model did with the row spans
-                    if not self._fall_back(exc):
-                        raise
+                    if isinstance(exc, torch.distributed.DistError) or not self._fall_back(exc):
+                        raise  # (a failed sum is the group's, not the attention's)
         finally:
             self.free("kv-probe")
         self.slots = SlotTable(0)
+        self._check_ranks_agree()
         return self.cache.bytes_per_token()
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank of a split model attends the same way after the probe (a fallback on
+        one rank alone would pair its sums with other passes' on the others)."""
+        if self.shard is None or self.shard.world_size == 1:
+            return
+        choice = 2 * int(self._slot_kernel) + int(self._row_attention)
+        if self.shard.min_over_ranks(choice) != -self.shard.min_over_ranks(-choice):
+            raise TensorParallelError("the ranks chose different attention paths at the probe")
 
     def _check_spans(self) -> None:
         """After the probe pass: every layer attended by row positions (else raise), and
@@ -1188,13 +1200,20 @@ class ModelRunner:
         return self.forward_padded(seq_ids, prompts, last_only=True)
 
 
-def _checked_shard(shard: ModelShard | None, execution_mode: str) -> ModelShard | None:
-    """``shard``, refused with anything but eager execution when it splits the model."""
-    if shard is not None and shard.world_size > 1 and execution_mode != EAGER:
+def _checked_shard(
+    shard: ModelShard | None, execution_mode: str, defer_kv: bool
+) -> ModelShard | None:
+    """``shard``, refused where it splits the model with anything but eager execution, or
+    with a cache allocated later (the other ranks would never allocate theirs)."""
+    if shard is None or shard.world_size == 1:
+        return shard
+    if execution_mode != EAGER:
         raise TensorParallelError(
             f"tensor parallelism runs eager (execution_mode: {EAGER}), "
             f"not {execution_mode}: a pass's sums across ranks are not in its graphs"
         )
+    if defer_kv:
+        raise TensorParallelError("a model split over ranks allocates its KV cache at load")
     return shard
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
@@ -41,6 +42,18 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
+def _local(model: str) -> Path:
+    """A local directory as it is; a hub id as its snapshot's directory (the JSON files and
+    safetensors fetched, or found in the cache: the whole model's files, read by parts)."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # (offline without a cache, a gated repo without a token)
+        logger.warning("%s: no snapshot to read by parts (%r)", model, exc)
+        return Path(model)
+
+
 def load_shard(
     model_dir: str,
     config,
@@ -49,12 +62,16 @@ def load_shard(
     dtype: torch.dtype,
     device: torch.device,
 ) -> PreTrainedModel | None:
-    """Rank ``shard.rank``'s share of the checkpoint in ``model_dir`` (a local directory)
-    on ``device``, its sums through ``shard.all_reduce``, with SDPA attention (eager where
-    the family has none, as whole models load); or None where the checkpoint cannot be read
-    by parts (module docstring)."""
-    files = checkpoint_files(model_dir)
+    """Rank ``shard.rank``'s share of the checkpoint in ``model_dir`` (a local directory
+    or a hub id) on ``device``, its sums through ``shard.all_reduce``, with SDPA attention
+    (eager where the family has none, as whole models load); or None where the checkpoint
+    cannot be read by parts (module docstring)."""
+    root = _local(model_dir)
+    files = checkpoint_files(root)
     if not files:
+        logger.info(
+            "%s: no safetensors to read by parts: loading it whole, then cutting", model_dir
+        )
         return None
     with init_empty_weights(include_buffers=False):
         try:
@@ -79,8 +96,8 @@ def load_shard(
         )
         return None
     model.tie_weights()  # a tied head takes the embedding just read
-    if (Path(model_dir) / "generation_config.json").is_file():  # its EOS ids, as loaded whole
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    if (root / "generation_config.json").is_file():  # its EOS ids, as loaded whole
+        model.generation_config = GenerationConfig.from_pretrained(root)
     return model.to(device).eval()  # (the buffers, computed on the host at build)
 
 

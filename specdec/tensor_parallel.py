@@ -18,7 +18,7 @@ the plan's top-level entries for them are not used).
 
 KV heads: with ``N`` ranks and ``H`` query heads, each rank holds ``H / N`` query heads. It
 holds ``KV / N`` key/value heads where ``N`` divides ``KV``; where ``KV`` divides ``N``
-(Llama 3 70B: 8 KV heads at TP = 16; Qwen 2.5: 1 or 2 KV heads at TP = 2), each rank holds
+(Llama 3 70B: 8 KV heads at TP = 16; Qwen 2.5 0.5B: 2 KV heads at TP = 4), each rank holds
 the one KV head its query heads read, so each KV head lives on ``N / KV`` ranks (as vLLM
 replicates them). Pure torch, no process group.
 """
@@ -238,3 +238,4 @@ class ModelShard:
     rank: int  # this one's index, 0 .. N - 1
     all_reduce: Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
     min_over_ranks: Callable[[int], int]  # the least of a count over the ranks
+    barrier: Callable[[], None] | None = None  # waits for every rank (after loading)

@@ -19,7 +19,8 @@ Imported (and their config builders validated against ``deployments.config``) bu
 run: ``bench.pipeline`` and ``bench.telemetry`` start Ray actors; ``bench.http`` needs a
 running server; ``bench.peers``, ``bench.policy``, ``bench.soak``, ``bench.ttft`` (its
 measurement) and ``bench.serving`` (GuideLLM too) deploy Serve applications;
-``bench.transport`` starts Ray actors of its own (``ray.init``). ``bench.adaptation`` deploys
+``bench.transport`` starts Ray actors of its own (``ray.init``); ``bench.rank_kill``
+deploys ``demo-tp.yaml`` and kills a rank. ``bench.adaptation`` deploys
 one too; its ``--smoke`` run is tests/adaptation/test_bench_adaptation.py, in a process of
 its own. ``bench.common`` is exercised by every run above.
 """

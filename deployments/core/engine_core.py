@@ -200,17 +200,22 @@ class EngineCore:
         make = partial(load_runner, self.spec, config.max_num_seqs, **kwargs)
         if not config.ranks:
             return make()
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        mine = ray.get_runtime_context().get_node_id()
+        where = ray.get([rank.health.remote() for rank in config.ranks])  # (alive, placed)
+        apart = [r["rank"] for r in where if r["node_id"] != mine]
+        if apart:
+            raise RuntimeError(
+                f"tensor-parallel ranks {apart} are not on rank 0's node: the placement "
+                "group could not pack them together (placement_strategy PACK or STRICT_PACK, "
+                "and target_resources that one node holds N times)"
+            )
+        # The group's store listens on loopback: every rank is on this node.
+        init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
         for rank in config.ranks:
             rank.join.remote(init_method)
         world = len(config.ranks) + 1
         runner = lead(make, world, init_method, worker_device(self.spec), config.rank_timeout_s)
         self.ranks = ray.get([rank.ready.remote() for rank in config.ranks])
-        mine = ray.get_runtime_context().get_node_id()
-        apart = [r["rank"] for r in self.ranks if r["node_id"] != mine]
-        if apart:
-            runner.close()
-            raise RuntimeError(f"tensor-parallel ranks {apart} are not on rank 0's node")
         logger.info("%s split over %d ranks (group at %s)", self.spec.model, world, init_method)
         return runner
 
@@ -369,10 +374,12 @@ class EngineCore:
         rank 0's broadcast calls, and each other rank's calls run, or why it did not answer."""
         if not self._rank_actors:
             return None
+        refs = [actor.health.remote() for actor in self._rank_actors]
+        ray.wait(refs, num_returns=len(refs), timeout=5.0)  # one deadline for them all
         ranks = []
-        for i, actor in enumerate(self._rank_actors, start=1):
+        for i, ref in enumerate(refs, start=1):
             try:
-                ranks.append(ray.get(actor.health.remote(), timeout=5.0))
+                ranks.append(ray.get(ref, timeout=0))
             except Exception as exc:  # dead or hung: the group fails at its next pass
                 ranks.append({"rank": i, "error": repr(exc)})
         return {"size": len(ranks) + 1, "calls": self.runner.group.calls, "ranks": ranks}
@@ -551,8 +558,8 @@ class EngineCore:
         try:
             done = step(batch)
         except Exception:
-            if self.ranks:  # a split target's pass failed part-way: its group is out of
-                raise  # step for good (the loop exits for a replacement, _exit_with_group)
+            if getattr(self.runner, "broken", False):  # a split target's group out of step
+                raise  # for good: the loop exits for a replacement (_exit_with_group)
             done = []
             for item in batch:
                 try:

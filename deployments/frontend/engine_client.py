@@ -328,7 +328,7 @@ class EngineClient:
             task.cancel()
         if self._outputs is not None:
             self._outputs.close()
-        for actor in (self.target, self.draft):
+        for actor in (self.target, self.draft, *self.launcher.ranks):
             if actor is not None:
                 ray.kill(actor)
 

@@ -50,6 +50,11 @@ class WorkerLauncher:
         self._ranks: list[Any] = []  # the current target's other ranks (tensor parallel)
 
     @property
+    def ranks(self) -> list[Any]:
+        """The current target's other ranks (a split target's; empty for a whole one)."""
+        return list(self._ranks)
+
+    @property
     def colocated(self) -> bool:
         """The draft runs in the core's process (config ``draft_placement``)."""
         return self.config.draft is not None and self.config.draft_placement == "colocated"

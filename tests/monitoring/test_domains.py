@@ -38,8 +38,11 @@ def test_unknown_and_excess_domains_overflow():
     assert capped.resolve(metadata={"domain": "d1"}) == "d1"  # known names stay
 
 
+# Lists of up to 40 names (five times the cap) of up to 100 characters (past the 64 a name
+# keeps): 100 names of 300 characters took hypothesis long enough to generate, on a loaded
+# 2-core CI machine, that its too_slow health check failed the test.
 @settings(max_examples=200, derandomize=True)
-@given(st.lists(st.text(max_size=300), max_size=100))
+@given(st.lists(st.text(max_size=100), max_size=40))
 def test_whatever_clients_send_the_set_of_domains_stays_bounded(names):
     r = resolver(max_domains=8)
     got = {r.resolve(metadata={"domain": n}) for n in names}

@@ -223,3 +223,24 @@ def test_a_rank_reads_only_its_share_of_the_checkpoint(name, family_models):
         head, embed = part.get_output_embeddings(), part.get_input_embeddings()
         assert (head.weight is embed.weight) == bool(config.tie_word_embeddings)
         assert part.generation_config.eos_token_id == whole.generation_config.eos_token_id
+
+
+def test_a_call_that_fails_on_every_rank_leaves_the_group_in_step(family_models):
+    """A pass for a sequence no rank holds raises on every rank before any sum: the
+    group checks that all raised alike and stays usable (the engine then fails that
+    request alone); the same pass again still fails, and a good one still decodes. A call
+    that cannot be mirrored (new weights, which come whole) is refused."""
+    target_dir = family_models["llama3"][0]
+    whole = ModelRunner(target_dir, **RUNNER)
+    expected = whole.prefill(["a"], [[1, 2, 3]])
+    with two_ranks(target_dir) as (split, child):
+        for _ in range(2):
+            with pytest.raises(Exception):  # noqa: B017 (whatever the runner raises for it)
+                split.forward(["nobody"], [[4]])
+            assert not split.broken
+        assert torch.allclose(split.prefill(["a"], [[1, 2, 3]]), expected, atol=1e-5)
+        with pytest.raises(AttributeError, match="split over ranks"):
+            split.load_weights({})
+        split.stop_followers()
+        child.join(30)
+        assert child.exitcode == 0
