@@ -6,6 +6,8 @@ reason; a rank that dies fails its group's next pass instead of hanging it."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import socket
 import time
 from contextlib import contextmanager
@@ -244,3 +246,18 @@ def test_a_call_that_fails_on_every_rank_leaves_the_group_in_step(family_models)
         split.stop_followers()
         child.join(30)
         assert child.exitcode == 0
+
+
+def test_a_rank_that_hangs_fails_the_pass_at_the_timeout(family_models):
+    """Rank 1 is stopped (SIGSTOP: alive, answering nothing) between two passes: rank 0's
+    next pass raises when the group's timeout expires, instead of waiting for ever."""
+    target_dir = family_models["llama3"][0]
+    with two_ranks(target_dir, timeout_s=3.0) as (split, child):
+        split.prefill(["a"], [[1, 2, 3]])
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RuntimeError):
+                split.forward(["a"], [[4]])
+            assert split.broken  # out of step for good: the core would exit
+        finally:
+            child.kill()
