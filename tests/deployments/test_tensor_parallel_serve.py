@@ -101,7 +101,13 @@ def _settled_group(handle, wait_s: float = 30.0) -> dict:
     deadline = time.monotonic() + wait_s
     while True:
         group = handle.health_info.remote().result()["tensor_parallel"]
-        settled = group is not None and group["ranks"][0].get("calls") == group["calls"]
+        # (the replica's copy of the core's health is refreshed by its polls: one from
+        # before the requests reads 0 calls on both sides)
+        settled = (
+            group is not None
+            and group["calls"] > 0
+            and group["ranks"][0].get("calls") == group["calls"]
+        )
         if settled or time.monotonic() > deadline:
             return group
         time.sleep(0.5)
