@@ -109,10 +109,13 @@ class RankGroup:
             self.world_size, self.rank, self.all_reduce, self.min_over_ranks, self.barrier
         )
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
-        """Sum ``tensor`` over the ranks, in place, within the timeout."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, timeout: timedelta | None = None
+    ) -> None:
+        """Sum ``tensor`` over the ranks, in place, within the timeout (the group's, unless
+        given)."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp, opts.timeout = op, self._timeout
+        opts.reduceOp, opts.timeout = op, timeout or self._timeout
         self._pg.allreduce([tensor], opts).wait()
 
     def agree(self, raised: bool) -> bool:
@@ -126,10 +129,7 @@ class RankGroup:
     def barrier(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Wait until every rank is here, for up to ``timeout_s`` (ranks that load their
         share at different speeds meet before the first pass, whose sums time out sooner)."""
-        t = torch.zeros(1, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp, opts.timeout = dist.ReduceOp.SUM, timedelta(seconds=timeout_s)
-        self._pg.allreduce([t], opts).wait()
+        self.all_reduce(torch.zeros(1, device=self.device), timeout=timedelta(seconds=timeout_s))
 
     def min_over_ranks(self, value: int) -> int:
         """The least of ``value`` over the ranks (the KV slots every rank can hold)."""

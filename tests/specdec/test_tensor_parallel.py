@@ -8,7 +8,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -19,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
-from specdec.rank_group import lead, run_rank
+from specdec.rank_group import free_port, lead, run_rank
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.shard_loading import load_shard
@@ -35,18 +34,12 @@ RUNNER = {"max_model_len": 256, "max_num_seqs": 2}
 SIX_HEADS = {"hidden_size": 96, "num_attention_heads": 6}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def two_ranks(model: str, timeout_s: float = 30.0, **kwargs):
     """A runner of ``model`` split over two ranks: rank 0 here (yielded with rank 1's
     process), rank 1 in a spawned process following it."""
     make = partial(ModelRunner, model, **{**RUNNER, **kwargs})
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     child = multiprocessing.get_context("spawn").Process(
         target=run_rank, args=(make, 1, 2, init, "cpu", timeout_s), daemon=True
     )
