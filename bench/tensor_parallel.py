@@ -5,8 +5,9 @@
 Greedy decoding of the demo target (float32, eager, one thread per rank) at batch 1 and 8,
 whole (TP = 1) and split over two ranks (TP = 2: rank 0 here, rank 1 a spawned process,
 the sums over gloo), interleaved rep by rep so that both see the same minutes. Records
-tokens/s and their ratio, and what travels between the ranks per pass: the runner call
-rank 0 broadcasts (pickled bytes, measured) and the sums of the row-wise layers (two per
+tokens/s and their ratio, and what travels between the ranks per pass: the broadcast of
+rank 0's runner calls (one per pass, the frees of the previous rep riding on its first;
+pickled bytes, measured) and the sums of the row-wise layers (two per
 layer: rows x positions x hidden x 4 bytes, computed from the shapes). On a 2-core host
 the two ranks share the cores the whole model had: this shows the cost of the group, not
 a speedup, which needs a device per rank.
@@ -76,16 +77,19 @@ def main() -> None:
     try:
         for batch in args.batches:
             times = {"tp1": [], "tp2": []}
-            calls_before, bytes_before = split.group.calls, split.group.call_bytes
+            group = split.group
+            before = (group.messages, group.call_bytes)
             for _ in range(args.reps):  # interleaved: whole, split, whole, split ...
                 times["tp1"].append(decode(whole, batch, args.prompt_len, args.tokens))
                 times["tp2"].append(decode(split, batch, args.prompt_len, args.tokens))
-            calls = split.group.calls - calls_before
+            messages = group.messages - before[0]
+            passes = args.reps * (1 + args.tokens)  # a prefill and the one-token passes
             rate = {k: batch * args.tokens / median(v) for k, v in times.items()}
             results[str(batch)] = {
                 "tokens_per_s": {k: round(v, 1) for k, v in rate.items()},
                 "tp2_over_tp1": round(rate["tp2"] / rate["tp1"], 3),
-                "call_bytes_per_call": round((split.group.call_bytes - bytes_before) / calls, 1),
+                "broadcasts_per_pass": round(messages / passes, 3),
+                "bytes_per_broadcast": round((group.call_bytes - before[1]) / messages, 1),
                 "sum_bytes_per_pass": sum_bytes(whole, batch),
             }
             print(batch, results[str(batch)], flush=True)

@@ -1,12 +1,14 @@
 """A tensor-parallel group: one model runner per rank, run in lockstep from rank 0.
 
 Rank 0 is the process that uses the runner (the engine core, or a one-process loop). Every
-call that runs a pass or changes the cache's bookkeeping is first broadcast to the other
-ranks as a :class:`RankCall` (one broadcast per call: the call's own arguments, token ids
-and sequence ids, never logits), then run on rank 0 while the others run the same call
-on their shards (:func:`follow`); the layers' sums (:mod:`specdec.tensor_parallel`) keep
-them in step inside each pass. Every rank computes the same logits; rank 0's are used.
-Calls that only read (lengths, slots free, the KV usage) run on rank 0 alone.
+call that runs a pass or changes the cache's bookkeeping is mirrored on the other ranks as
+a :class:`RankCall` (the call's own arguments, token ids and sequence ids, never logits).
+Bookkeeping calls (a sequence added, freed, forked, renamed, rolled back) run on rank 0 at
+once and travel with its next pass, so that a pass and everything since the previous one
+reach the other ranks in one broadcast: one per engine round. The others run the calls in
+order on their shards (:func:`follow`); the layers' sums (:mod:`specdec.tensor_parallel`)
+keep them in step inside each pass. Every rank computes the same logits; rank 0's are
+used. Calls that only read (lengths, slots free, the KV usage) run on rank 0 alone.
 
 A rank that dies or hangs stalls the others in their next collective until the group's
 timeout (``timeout_s``), where ``torch.distributed`` raises: the group fails together, and
@@ -47,6 +49,12 @@ MIRRORED = frozenset(
         "step_logits",
     }
 )
+
+
+# Of MIRRORED, the calls that change only the cache's bookkeeping (no pass, no sum): sent
+# with rank 0's next pass. Each validates before it changes anything (SlotTable), so one
+# that raises on rank 0 changed nothing and is not sent.
+DEFERRED = frozenset({"add", "free", "fork", "rename", "rollback", "advance", "end_steps"})
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,8 @@ class RankGroup:
         )
         self._pg = dist.distributed_c10d._get_default_group()
         self._timeout = timedelta(seconds=timeout_s)  # every collective's, after
-        self.calls = 0  # calls broadcast (rank 0) or received (the others)
+        self.calls = 0  # RankCalls broadcast (rank 0) or received (the others)
+        self.messages = 0  # broadcasts that carried them: one per pass
         self.call_bytes = 0  # their pickled bytes (the sums inside passes not counted)
 
     def shard(self) -> ModelShard:
@@ -137,26 +146,31 @@ class RankGroup:
         self.all_reduce(t, dist.ReduceOp.MIN)
         return int(t.item())
 
-    def broadcast(self, call: RankCall) -> None:
-        """Rank 0: send ``call`` to every other rank (its size, then its pickled bytes)."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(call)), dtype=torch.uint8)
+    def broadcast(self, calls: tuple[RankCall, ...]) -> None:
+        """Rank 0: send ``calls`` (to be run in order) to every other rank in one message:
+        its size, then its pickled bytes."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(calls)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.long)
         self._broadcast(size, self._timeout)
         self._broadcast(payload, self._timeout)
-        self.calls += 1
-        self.call_bytes += payload.numel()
+        self._count(len(calls), payload.numel())
 
-    def receive(self) -> RankCall:
-        """Another rank: the next call rank 0 broadcast. Waits for it without a limit: an
+    def receive(self) -> tuple[RankCall, ...]:
+        """Another rank: the next calls rank 0 broadcast. Waits for them without a limit: an
         idle rank 0 sends nothing, and one that died closes its connections, which ends
-        the wait at once; the call's bytes, once announced, come within the timeout."""
+        the wait at once; the message's bytes, once announced, come within the timeout."""
         size = torch.zeros(1, dtype=torch.long)
         self._broadcast(size, IDLE_WAIT)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self._broadcast(payload, self._timeout)
-        self.calls += 1
-        self.call_bytes += payload.numel()
-        return pickle.loads(payload.numpy().tobytes())
+        calls = pickle.loads(payload.numpy().tobytes())
+        self._count(len(calls), payload.numel())
+        return calls
+
+    def _count(self, calls: int, nbytes: int) -> None:
+        self.calls += calls
+        self.messages += 1
+        self.call_bytes += nbytes
 
     def _broadcast(self, tensor: torch.Tensor, timeout: timedelta) -> None:
         """Rank 0's ``tensor`` into every rank's, waiting at most ``timeout`` (on the
@@ -182,8 +196,9 @@ def free_port(host: str = "") -> int:
 
 
 class MirroredRunner:
-    """Rank 0's runner: a call in :data:`MIRRORED` is broadcast, then run here; anything
-    else (attributes, reads) is the local runner's. Stands in for a ``ModelRunner``.
+    """Rank 0's runner: a call in :data:`MIRRORED` is broadcast, then run here, with the
+    :data:`DEFERRED` calls run here since the last broadcast ahead of it; anything else
+    (attributes, reads) is the local runner's. Stands in for a ``ModelRunner``.
 
     A mirrored call that raises here (a request past the context, an unknown sequence)
     raised on every rank alike when it failed before its first sum: then the group is
@@ -194,6 +209,7 @@ class MirroredRunner:
     def __init__(self, runner, group: RankGroup):
         self._runner, self._group = runner, group
         self.broken = False
+        self._pending: list[RankCall] = []  # DEFERRED calls run here, not yet sent
 
     def __getattr__(self, name: str):
         attr = getattr(self._runner, name)
@@ -205,8 +221,14 @@ class MirroredRunner:
         def mirrored(*args, **kwargs):
             if self.broken:
                 raise RuntimeError("the tensor-parallel group is out of step")
+            call = RankCall(name, args, kwargs)
+            if name in DEFERRED:  # here first: one that raises changed nothing, is not sent
+                result = attr(*args, **kwargs)
+                self._pending.append(call)
+                return result
+            calls, self._pending = (*self._pending, call), []
             try:
-                self._group.broadcast(RankCall(name, args, kwargs))
+                self._group.broadcast(calls)
                 return attr(*args, **kwargs)
             except Exception:
                 self.broken = not self._in_step()
@@ -218,7 +240,7 @@ class MirroredRunner:
         """Whether every rank raised at the last call, at the same call count (a check of
         its own: two sums); False where the check itself fails."""
         try:
-            self._group.broadcast(CHECK)
+            self._group.broadcast((CHECK,))
             return self._group.agree(raised=True)
         except Exception:
             logger.exception("tensor-parallel group check failed")
@@ -230,7 +252,7 @@ class MirroredRunner:
 
     def stop_followers(self) -> None:
         """End the other ranks' :func:`follow` loops (the group stays up)."""
-        self._group.broadcast(STOP)
+        self._group.broadcast((STOP,))
 
     def close(self) -> None:
         """Leave the group (the others' next collective fails: call after stopping them)."""
@@ -238,30 +260,30 @@ class MirroredRunner:
 
 
 def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None = None) -> int:
-    """Another rank's loop: run each call rank 0 broadcasts on this rank's ``runner``
-    until :data:`STOP`; returns the calls run. A call that raises here is logged and the
-    loop goes on: rank 0's next call is then its :data:`CHECK` (whether every rank raised
-    alike) if it raised too, or its next pass stalls on this rank's missing sums until the
-    timeout if this rank raised alone mid-pass (the group fails together)."""
+    """Another rank's loop: run the calls rank 0 broadcasts, in order, on this rank's
+    ``runner`` until :data:`STOP`; returns the calls run. A call that raises here is logged
+    and the loop goes on: rank 0's next message is then its :data:`CHECK` (whether every
+    rank raised alike) if it raised too, or its next pass stalls on this rank's missing
+    sums until the timeout if this rank raised alone mid-pass (the group fails together)."""
     done, raised = 0, False
     while True:
-        call = group.receive()
-        if not call.method:
-            return done
-        if call.method == CHECK.method:
-            group.agree(raised)
-            continue
-        if call.method not in MIRRORED:
-            raise ValueError(f"rank {group.rank}: {call.method!r} is not a mirrored call")
-        try:
-            getattr(runner, call.method)(*call.args, **call.kwargs)
-            raised = False
-        except Exception:
-            logger.exception("rank %d: %s raised", group.rank, call.method)
-            raised = True
-        done += 1
-        if on_call is not None:
-            on_call(call)
+        for call in group.receive():
+            if not call.method:
+                return done
+            if call.method == CHECK.method:
+                group.agree(raised)
+                continue
+            if call.method not in MIRRORED:
+                raise ValueError(f"rank {group.rank}: {call.method!r} is not a mirrored call")
+            try:
+                getattr(runner, call.method)(*call.args, **call.kwargs)
+                raised = False
+            except Exception:
+                logger.exception("rank %d: %s raised", group.rank, call.method)
+                raised = True
+            done += 1
+            if on_call is not None:
+                on_call(call)
 
 
 def run_rank(

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
-from specdec.rank_group import free_port, lead, run_rank
+from specdec.rank_group import DEFERRED, MIRRORED, free_port, lead, run_rank
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.shard_loading import load_shard
@@ -139,6 +139,24 @@ def test_tensor_parallel_refuses_compiled_execution(family_models):
 # ----- two ranks ----------------------------------------------------------------------------
 
 
+class PassCounter:
+    """A split runner as its user sees it, counting the calls that run a pass."""
+
+    def __init__(self, runner):
+        self._runner, self.passes = runner, 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._runner, name)
+        if name not in MIRRORED - DEFERRED:
+            return attr
+
+        def counted(*args, **kwargs):
+            self.passes += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
 @pytest.mark.parametrize("name", TP_FAMILIES)
 def test_two_ranks_decode_what_the_whole_model_and_generate_do(name, family_models):
     target_dir, draft_dir, tok_dir = family_models[name]
@@ -155,14 +173,19 @@ def test_two_ranks_decode_what_the_whole_model_and_generate_do(name, family_mode
             whole.kv_bytes_per_token * plan.local_kv_heads
         )
         assert generate_autoregressive(split, prompt, params).token_ids == expected
-        # Speculative decoding with a whole draft beside the split target: the same text.
+        # Speculative decoding with a whole draft beside the split target: the same text,
+        # each pass one broadcast that carries the bookkeeping since the last (rollbacks).
         draft = ModelRunner(draft_dir, **RUNNER)
         proposer = DraftModelProposer(
             draft, vocab_limit=min(split.vocab_size, draft.vocab_size, len(tokenizer))
         )
-        spec = generate_speculative(split, proposer, prompt, params, 4)
+        counted, group = PassCounter(split), split.group
+        before = (group.messages, group.calls)
+        spec = generate_speculative(counted, proposer, prompt, params, 4)
         assert spec.token_ids == expected
         assert spec.num_accepted > 0
+        assert group.messages - before[0] == counted.passes
+        assert group.calls - before[1] > counted.passes  # bookkeeping rode along
         split.stop_followers()
         child.join(30)
         assert child.exitcode == 0
@@ -233,6 +256,15 @@ def test_a_call_that_fails_on_every_rank_leaves_the_group_in_step(family_models)
             with pytest.raises(Exception):  # noqa: B017 (whatever the runner raises for it)
                 split.forward(["nobody"], [[4]])
             assert not split.broken
+        # Bookkeeping that fails here changed nothing and is not sent.
+        messages = split.group.messages
+        with pytest.raises(KeyError):
+            split.free("nobody")
+        split.add("b")  # (these ride on the next pass)
+        with pytest.raises(ValueError):
+            split.rollback("b", 5)  # past its length
+        split.free("b")
+        assert not split.broken and split.group.messages == messages
         assert torch.allclose(split.prefill(["a"], [[1, 2, 3]]), expected, atol=1e-5)
         with pytest.raises(AttributeError, match="split over ranks"):
             split.load_weights({})
