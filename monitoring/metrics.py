@@ -130,6 +130,16 @@ class SpecServeMetrics:
             description="Time a round waited for its drafts.",
             explicit_bucket_boundaries_advisory=ROUND_BUCKETS,
         )
+        self.rank_up = g(
+            "specserve.tensor_parallel.rank_up",
+            description="Per rank of a split target: 1 when it answered the replica's "
+            "latest health poll (0: dead or hung; its group fails at the next pass).",
+        )
+        self.rank_calls = g(
+            "specserve.tensor_parallel.rank_calls",
+            description="Per rank of a split target: runner calls it has run (rank 0, the "
+            "core: calls broadcast to the group); a rank behind rank 0 is catching up.",
+        )
         self.overhead = h(
             "specserve.round.overhead",
             unit="s",
@@ -219,6 +229,11 @@ class SpecServeMetrics:
         self.waiting.set(batch.waiting, base)
         self.kv_usage.set(batch.kv_cache_usage, base)
         self.kv_token_usage.set(batch.kv_cache_token_usage, base)
+        for rank in batch.ranks:
+            at = {**base, "rank": rank.rank}
+            self.rank_up.set(int(rank.up), at)
+            if rank.up:
+                self.rank_calls.set(rank.calls, at)
 
     def record_request(self, rec: RequestRecord) -> None:
         attrs = {

@@ -53,6 +53,17 @@ class RoundBatch:
     policy: dict[str, dict] = field(default_factory=dict)
     dropped: int = 0  # sequence-rounds the replica's buffer dropped since the last flush
     draft_version: int = 0  # the adapted draft version the replica serves (0: as deployed)
+    # A split target's ranks as the replica's latest health poll saw them (empty: whole)
+    ranks: tuple[RankRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One rank of a tensor-parallel target, as the replica's health poll last saw it."""
+
+    rank: int  # its index in the group; 0 is the engine core
+    up: bool  # it answered (a dead or hung rank fails the group at its next pass)
+    calls: int = 0  # runner calls it has run (rank 0: calls broadcast to the group)
 
 
 @dataclass(frozen=True)

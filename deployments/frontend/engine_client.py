@@ -93,6 +93,7 @@ class EngineClient:
                 timeout_s=config.faults.call_timeout_s,
                 interval_s=flush_interval_s,
                 draft_version=lambda: self._draft_weights[0] if self._draft_weights else 0,
+                tensor_parallel=lambda: self._core_health.get("tensor_parallel"),
             )
         )
         self.target = None  # the EngineCore actor (target model + round loop)

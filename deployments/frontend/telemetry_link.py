@@ -15,7 +15,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from deployments.messages import DriftAlert, TelemetrySnapshot
-from monitoring.records import AlertCursor, ReportReply, RequestRecord, RoundBatch, RoundRecord
+from monitoring.records import (
+    AlertCursor,
+    RankRecord,
+    ReportReply,
+    RequestRecord,
+    RoundBatch,
+    RoundRecord,
+)
 
 logger = logging.getLogger("specserve.engine")
 
@@ -45,9 +52,12 @@ class TelemetryLink:
         timeout_s: float,
         interval_s: float = 1.0,
         draft_version: Callable[[], int] = lambda: 0,
+        tensor_parallel: Callable[[], dict | None] = lambda: None,
     ):
         self.sink, self.model, self.replica = sink, model, replica
         self.draft_version = draft_version  # the adapted draft version served now
+        # a split target's group as /health shows it (None: whole), see rank_records
+        self.tensor_parallel = tensor_parallel
         self.current_core, self.timeout_s, self.interval_s = current_core, timeout_s, interval_s
         self.records: list[RequestRecord] = []
         # domain -> the draft version that drafted its latest round here (for /health)
@@ -153,4 +163,17 @@ class TelemetryLink:
             policy=drained.policy,
             dropped=drained.dropped,
             draft_version=self.draft_version(),
+            ranks=rank_records(self.tensor_parallel()),
         )
+
+
+def rank_records(group: dict | None) -> tuple[RankRecord, ...]:
+    """/health's ``tensor_parallel`` (:class:`TensorParallelState` as a dict) as the
+    monitor's records: rank 0 (the core, which answered) and each other rank."""
+    if not group:
+        return ()
+    core = RankRecord(0, True, group["calls"])
+    others = [
+        RankRecord(r["rank"], r.get("error") is None, r.get("calls") or 0) for r in group["ranks"]
+    ]
+    return (core, *others)

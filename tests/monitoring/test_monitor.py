@@ -11,6 +11,7 @@ from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogR
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from deployments.frontend.telemetry_link import rank_records
 from monitoring.drift import DriftConfig, DriftState
 from monitoring.monitor import ADAPTATION_EVENT, DRIFT_EVENT, Monitor, build_providers
 from monitoring.records import (
@@ -415,3 +416,24 @@ def test_the_proposer_choice_becomes_gauges(monitor):
     assert in_use[frozenset({**key, "proposer": "ngram"}.items())] == 1
     assert in_use[frozenset({**key, "proposer": "draft_model"}.items())] == 0
     assert goodput[frozenset({**key, "proposer": "ngram"}.items())] == 55.0
+
+
+def test_a_split_targets_ranks_become_gauges(monitor):
+    """/health's tensor_parallel, as the replica's telemetry link sends it: each rank up or
+    not, and the calls it has run (a dead rank's last count is not reported as current)."""
+    mon, reader, _ = monitor
+    group = {
+        "size": 3,
+        "calls": 120,
+        "ranks": [
+            {"rank": 1, "pid": 4242, "calls": 118},
+            {"rank": 2, "error": "GetTimeoutError('hung')"},
+        ],
+    }
+    assert rank_records(None) == ()  # a whole target has no ranks
+    mon.report(batch([], ranks=rank_records(group)))
+    up = points(reader, "specserve.tensor_parallel.rank_up")
+    calls = points(reader, "specserve.tensor_parallel.rank_calls")
+    assert {dict(k)["rank"]: v for k, v in up.items()} == {0: 1, 1: 1, 2: 0}
+    assert {dict(k)["rank"]: v for k, v in calls.items()} == {0: 120, 1: 118}
+    assert all(dict(k)["replica"] == "r1" for k in up)
