@@ -140,35 +140,52 @@ def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
     return str(path)
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2`): the files whose tests
-# run on the session's Ray instance (or start one of their own) all go to one worker, in
-# order, so that one such instance at a time shares the machine's cores and memory; the
-# files of the two-node cluster (a Ray cluster apart) go together to one worker; every other
-# file (models in process: specdec, policies, detectors) goes whole to the first worker
-# free, so that its module-scoped fixtures (compiled runners among them) are built once.
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`). The files that run on
+# a Ray instance (RAY_FILES: ray_local / serve_http, each worker starting its own) or on
+# the local cluster of cluster/local_cluster.sh (TWO_NODE_FILES) are the bulk of the
+# suite's time; they are cut into two groups of about equal measured time (durations of a
+# full run on a 2-core machine, in the comments), one per worker from the start, each
+# group's files one after another so that one Serve app at a time per worker shares the
+# cores. Every other file (models in process: specdec, policies, detectors) goes whole to
+# the first worker free once its group is done, so that its module-scoped fixtures
+# (compiled runners among them) are built once.
 RAY_FIXTURES = frozenset({"ray_local", "serve_http"})
 TWO_NODE_FILES = frozenset(
     "tests/deployments/" + name
-    for name in ("test_deploy_shapes.py", "test_serve_deploy.py", "test_two_node.py")
-)
-RAY_FILES = frozenset(
-    "tests/" + name
     for name in (
-        "adaptation/test_bench_adaptation.py",  # bench.adaptation, in a process of its own
-        "clients/test_aiperf.py",  # a client against a server of the package's fixture
-        "clients/test_guidellm.py",
-        "clients/test_lm_eval.py",
-        "clients/test_vllm_bench_replay.py",
-        "deployments/test_channel.py",
-        "deployments/test_engine.py",
-        "deployments/test_engine_law.py",
-        "deployments/test_families_http.py",
-        "deployments/test_http.py",
-        "deployments/test_serve_engine.py",
-        "deployments/test_tensor_parallel_serve.py",
-        "monitoring/test_drift_e2e.py",  # Prometheus and Alertmanager against a server
+        "test_deploy_shapes.py",  # ~710 s
+        "test_node_loss.py",
+        "test_serve_deploy.py",  # ~440 s
+        "test_two_node.py",
     )
 )
+RAY_GROUPS = {
+    "ray-a": frozenset(
+        "tests/" + name
+        for name in (
+            "deployments/test_channel.py",  # ~40 s
+            "deployments/test_engine.py",  # ~1400 s
+            "deployments/test_engine_law.py",  # ~360 s
+            "deployments/test_families_http.py",  # ~1030 s
+            "deployments/test_http.py",  # ~350 s
+            "deployments/test_serve_engine.py",  # ~140 s
+            "clients/test_vllm_bench_replay.py",  # ~10 s
+        )
+    ),
+    # with the local cluster's files, last
+    "ray-b": frozenset(
+        "tests/" + name
+        for name in (
+            "adaptation/test_bench_adaptation.py",  # ~350 s; bench.adaptation, a process
+            "clients/test_aiperf.py",  # ~290 s; a client against its fixture's server
+            "clients/test_guidellm.py",  # ~50 s
+            "clients/test_lm_eval.py",  # ~50 s
+            "deployments/test_tensor_parallel_serve.py",  # ~240 s
+            "monitoring/test_drift_e2e.py",  # ~250-600 s; Prometheus and Alertmanager
+        )
+    ),
+}
+RAY_FILES = RAY_GROUPS["ray-a"] | RAY_GROUPS["ray-b"]
 
 
 def file_of(nodeid: str) -> str:
@@ -176,35 +193,42 @@ def file_of(nodeid: str) -> str:
 
 
 def scope_of(path: str) -> str:
-    """The xdist scope of a test file: "ray" (RAY_FILES), "two-node" (TWO_NODE_FILES) or
-    the file itself."""
+    """The xdist scope of a test file: its Ray group (RAY_GROUPS; the local cluster's files
+    are in "ray-b") or the file itself."""
     if path in TWO_NODE_FILES:
-        return "two-node"
-    return "ray" if path in RAY_FILES else path
+        return "ray-b"
+    for group, files in RAY_GROUPS.items():
+        if path in files:
+            return group
+    return path
 
 
 # Ray files whose tests run many processes of their own (a client's workers, Prometheus,
-# a second Serve app): late in the run, when the other worker has finished its files.
+# a second Serve app): late in their group.
 RAY_FILES_LATE = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.py")
 
 
-def run_order(item) -> int:
-    """0: first; 1: RAY_FILES_LATE; 2: the tests of the two-node cluster, last of all (it
-    is session-scoped: once started it runs beside every later test of its worker)."""
+def run_order(item) -> tuple[int, int]:
+    """(group, order in it): the two Ray groups first, in that order (each worker starts
+    with one of them), then every other file. In a group: 0 first; 1 RAY_FILES_LATE; 2 the
+    tests of the local cluster, last of all (it is session-scoped: once started it runs
+    beside every later test of its worker)."""
+    scope = scope_of(file_of(item.nodeid))
+    group = list(RAY_GROUPS).index(scope) if scope in RAY_GROUPS else len(RAY_GROUPS)
     if "two_node_cluster" in item.fixturenames:
-        return 2
-    return int(any(f in file_of(item.nodeid) for f in RAY_FILES_LATE))
+        return group, 2
+    return group, int(any(f in file_of(item.nodeid) for f in RAY_FILES_LATE))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests in :func:`run_order` (stable: each file's order kept). A test of the session's
-    Ray or of the two-node cluster from a file not listed for it would start a second
-    instance beside the first under xdist: refused, naming the file."""
+    """Tests in :func:`run_order` (stable: each file's order kept). A test of a worker's
+    Ray or of the local cluster from a file not in a Ray group would run beside another
+    worker's instance on whichever worker is free: refused, naming the file."""
     stray = set()
     for item in items:
-        scope = scope_of(file_of(item.nodeid))
-        if (RAY_FIXTURES & set(item.fixturenames) and scope != "ray") or (
-            "two_node_cluster" in item.fixturenames and scope != "two-node"
+        path = file_of(item.nodeid)
+        if (RAY_FIXTURES & set(item.fixturenames) and path not in RAY_FILES) or (
+            "two_node_cluster" in item.fixturenames and path not in TWO_NODE_FILES
         ):
             stray.add(file_of(item.nodeid))
     if stray:
@@ -216,10 +240,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scheduling by :func:`scope_of` each test's file, for ``--dist load`` (what
-    ``-n`` alone means) only: another ``--dist`` is kept."""
+    ``-n`` alone means) only: another ``--dist`` is kept. Scopes are handed out in the
+    order of the collection (:func:`run_order`), not by their number of tests, so that
+    each worker starts with a Ray group of its own."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class RayFilesApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -266,7 +294,9 @@ def ray_local():
     if ray.is_initialized():
         ray.shutdown()
     # Logical CPUs: the workers reserve resources; the machine's 2 cores are shared.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # "local": a new instance of this worker's own, never another worker's or the local
+    # cluster's (which ray.init would otherwise find and join).
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
