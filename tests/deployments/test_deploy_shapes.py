@@ -1,7 +1,7 @@
-"""Every committed serve config deploys through ``serve deploy`` on the local two-node
-cluster (``cluster/local_cluster.sh``: the head offers a ``draft`` resource, the worker a
-``target`` resource), with the shape it ships: its placement strategy, its custom
-resources, GPUs replaced by the custom resource of the node they stand for.
+"""Every committed serve config deploys through ``serve deploy`` on the local cluster
+(``cluster/local_cluster.sh``: a head, a worker node that offers a ``target`` resource and
+one that offers a ``draft`` resource), with the shape it ships: its placement strategy,
+its custom resources, GPUs replaced by the custom resource of the node they stand for.
 
 For each of ``cluster/serve/*.yaml`` and the KubeRay manifest's ``serveConfigV2``: the app
 becomes RUNNING and answers a completion; the replica reserves exactly the engine's
