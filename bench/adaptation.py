@@ -176,7 +176,8 @@ class Server:
         from tests.conftest import free_port
 
         name, prefix, cfg = app_args(args)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # as make serve
+        # a local instance of its own, never a cluster it would find (as make serve's)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         self.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         t0 = time.monotonic()

@@ -54,27 +54,41 @@ node_up() {
   local pid
   [ -f "$STATE/$1.pid" ] || return 1
   pid=$(cat "$STATE/$1.pid")
-  pgrep -s "$pid" >/dev/null
+  pgrep -r R,S,D,T,I -s "$pid" >/dev/null  # (a zombie is not up)
 }
 
 start_node() {
-  local name=$1 cpus resources log
+  local name=$1 cpus resources
   [ -f "$STATE/$name.spec" ] || die "no node '$name' (add-node first)"
   read -r cpus resources <"$STATE/$name.spec"
   node_up "$name" && die "node '$name' is already up"
-  log="$STATE/$name.log"
+  # `ray start` gives up when its raylet has not registered within 30 s (a constant in
+  # Ray 2.60), which a loaded 2-core host can exceed: try again, up to three times.
+  for attempt in 1 2 3; do
+    launch_node "$name" "$cpus" "$resources" && return 0
+    echo "local_cluster.sh: node '$name' did not start (attempt $attempt)" >&2
+  done
+  cat "$STATE/$name.log" >&2
+  die "node '$name' did not start (log: $STATE/$name.log)"
+}
+
+# One try: `ray start --block` in a session of its own (stop-node kills exactly this node);
+# true once it says the node runs, false (its processes killed) when it gave up.
+launch_node() {
+  local name=$1 cpus=$2 resources=$3 log="$STATE/$1.log" pid
   : >"$log"
-  # Its own session and process group: stop-node kills exactly this node.
   setsid "$RAY" start --address="127.0.0.1:$PORT" --num-cpus="$cpus" \
     --resources="$(resources_json "$resources")" --disable-usage-stats --block \
     >"$log" 2>&1 </dev/null &
-  echo $! >"$STATE/$name.pid"
+  pid=$!
+  echo "$pid" >"$STATE/$name.pid"
   for _ in $(seq 600); do
     grep -q "Ray runtime started" "$log" && return 0
-    node_up "$name" || { cat "$log" >&2; die "node '$name' did not start"; }
-    sleep 0.2
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
   done
-  die "node '$name' did not start within 120 s (see $log)"
+  pkill -KILL -s "$pid" || true
+  return 1
 }
 
 add_node() {
@@ -106,6 +120,10 @@ case "${1:-}" in
     # `ray start` with token auth needs a token it will not create: make one the first
     # time (~/.ray/auth_token; RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, when set, win).
     if [ "$RAY_AUTH_MODE" = token ]; then "$RAY" get-auth-token --generate >/dev/null; fi
+    for spec in "$STATE"/*.spec; do
+      [ -f "$spec" ] || continue
+      node_up "$(basename "$spec" .spec)" && die "a cluster is up ($STATE): stop it first"
+    done
     rm -rf "$STATE"
     mkdir -p "$STATE"
     "$RAY" start --head --port="$PORT" --num-cpus="$HEAD_CPUS" \
@@ -144,7 +162,8 @@ case "${1:-}" in
     ;;
   stop)
     for spec in "$STATE"/*.spec; do
-      [ -f "$spec" ] && stop_node "$(basename "$spec" .spec)"
+      [ -f "$spec" ] || continue
+      (stop_node "$(basename "$spec" .spec)") || true  # (the head goes below whatever)
     done
     # Only this cluster's processes: `ray stop` would also end any other Ray on the host.
     pattern="$TEMP_DIR|:$PORT( |$)"

@@ -17,6 +17,7 @@ whoever owns it replaces it whole. gloo on CPU, NCCL on GPU.
 
 from __future__ import annotations
 
+import copy
 import logging
 import pickle
 import socket
@@ -108,7 +109,7 @@ class RankGroup:
         )
         self._pg = dist.distributed_c10d._get_default_group()
         self._timeout = timedelta(seconds=timeout_s)  # every collective's, after
-        self.calls = 0  # RankCalls broadcast (rank 0) or received (the others)
+        self.calls = 0  # runner calls broadcast (rank 0) or received (the others)
         self.messages = 0  # broadcasts that carried them: one per pass
         self.call_bytes = 0  # their pickled bytes (the sums inside passes not counted)
 
@@ -153,7 +154,7 @@ class RankGroup:
         size = torch.tensor([payload.numel()], dtype=torch.long)
         self._broadcast(size, self._timeout)
         self._broadcast(payload, self._timeout)
-        self._count(len(calls), payload.numel())
+        self._count(calls, payload.numel())
 
     def receive(self) -> tuple[RankCall, ...]:
         """Another rank: the next calls rank 0 broadcast. Waits for them without a limit: an
@@ -164,11 +165,11 @@ class RankGroup:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self._broadcast(payload, self._timeout)
         calls = pickle.loads(payload.numpy().tobytes())
-        self._count(len(calls), payload.numel())
+        self._count(calls, payload.numel())
         return calls
 
-    def _count(self, calls: int, nbytes: int) -> None:
-        self.calls += calls
+    def _count(self, calls: tuple[RankCall, ...], nbytes: int) -> None:
+        self.calls += sum(c.method in MIRRORED for c in calls)  # (not CHECK or STOP)
         self.messages += 1
         self.call_bytes += nbytes
 
@@ -221,12 +222,12 @@ class MirroredRunner:
         def mirrored(*args, **kwargs):
             if self.broken:
                 raise RuntimeError("the tensor-parallel group is out of step")
-            call = RankCall(name, args, kwargs)
             if name in DEFERRED:  # here first: one that raises changed nothing, is not sent
                 result = attr(*args, **kwargs)
-                self._pending.append(call)
+                # (a copy: the caller may change a list it passed before the next pass)
+                self._pending.append(RankCall(name, copy.deepcopy(args), copy.deepcopy(kwargs)))
                 return result
-            calls, self._pending = (*self._pending, call), []
+            calls, self._pending = (*self._pending, RankCall(name, args, kwargs)), []
             try:
                 self._group.broadcast(calls)
                 return attr(*args, **kwargs)
@@ -252,6 +253,7 @@ class MirroredRunner:
 
     def stop_followers(self) -> None:
         """End the other ranks' :func:`follow` loops (the group stays up)."""
+        self._pending = []  # (nothing more runs on the others)
         self._group.broadcast((STOP,))
 
     def close(self) -> None:

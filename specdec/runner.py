@@ -1001,9 +1001,12 @@ class ModelRunner:
         return out.logits[:, -1].float()
 
     def advance(self, seq_ids: Sequence[Hashable], steps: int) -> None:
-        """Record ``steps`` more cached positions per row (after :meth:`step_logits` passes)."""
-        for sid in seq_ids:
-            self.slots.set_length(sid, self.slots.length(sid) + steps)
+        """Record ``steps`` more cached positions per row (after :meth:`step_logits` passes).
+        Every id is looked up before any length changes: an unknown one changes nothing (a
+        split runner relies on it, see specdec.rank_group.DEFERRED)."""
+        lengths = [self.slots.length(sid) for sid in seq_ids]
+        for sid, length in zip(seq_ids, lengths, strict=True):
+            self.slots.set_length(sid, length + steps)
 
     def end_steps(self) -> None:
         """Clear the layout a fused graph's passes left on the cache."""

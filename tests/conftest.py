@@ -172,7 +172,7 @@ RAY_GROUPS = {
             "clients/test_vllm_bench_replay.py",  # ~10 s
         )
     ),
-    # with the local cluster's files, last
+    # with the local cluster's files, first
     "ray-b": frozenset(
         "tests/" + name
         for name in (
@@ -210,14 +210,15 @@ RAY_FILES_LATE = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.
 
 def run_order(item) -> tuple[int, int]:
     """(group, order in it): the two Ray groups first, in that order (each worker starts
-    with one of them), then every other file. In a group: 0 first; 1 RAY_FILES_LATE; 2 the
-    tests of the local cluster, last of all (it is session-scoped: once started it runs
-    beside every later test of its worker)."""
+    with one of them), then every other file. In a group: the tests of the local cluster
+    first (its nodes start while the other worker's group is still starting up: `ray
+    start` gives up on a raylet that takes 30 s to register, which a 2-core host under
+    two groups' load can exceed), then the rest, RAY_FILES_LATE last."""
     scope = scope_of(file_of(item.nodeid))
     group = list(RAY_GROUPS).index(scope) if scope in RAY_GROUPS else len(RAY_GROUPS)
     if "two_node_cluster" in item.fixturenames:
-        return group, 2
-    return group, int(any(f in file_of(item.nodeid) for f in RAY_FILES_LATE))
+        return group, 0
+    return group, 1 + any(f in file_of(item.nodeid) for f in RAY_FILES_LATE)
 
 
 def pytest_collection_modifyitems(config, items):

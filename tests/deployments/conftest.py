@@ -40,7 +40,7 @@ def two_node_cluster():
     env.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
     script = ROOT / "cluster" / "local_cluster.sh"
     address = subprocess.run(
-        [str(script), "start"], env=env, check=True, capture_output=True, text=True, timeout=180
+        [str(script), "start"], env=env, check=True, capture_output=True, text=True, timeout=900
     ).stdout.strip()
     try:
         yield address, env, f"http://127.0.0.1:{dashboard}"
