@@ -109,7 +109,7 @@ class Dashboard:
         r.raise_for_status()
         return (r.json().get("applications") or {}).get(name, {})
 
-    def wait_running(self, name: str, timeout_s: float = 150) -> None:
+    def wait_running(self, name: str, timeout_s: float = 400) -> None:
         deadline = time.monotonic() + timeout_s
         app: dict[str, Any] = {}
         while time.monotonic() < deadline:
