@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def two_node_cluster():
-    """A separate two-node Ray cluster (cluster/local_cluster.sh) with a dashboard.
+    """A separate Ray cluster of several nodes (cluster/local_cluster.sh: a head, a
+    ``target`` node and a ``draft`` node; tests add and stop nodes) with a dashboard.
 
     Yields (GCS address, environment for its clients, dashboard URL). It runs beside the
     test session's own Ray instance and is stopped without touching it.
