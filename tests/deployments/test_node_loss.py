@@ -30,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import DEMO_DRAFT, DEMO_TARGET, EAGER, ROOT, free_port
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET, EAGER, ROOT, free_port, wait_for
 from tests.deployments.test_deploy_shapes import Dashboard, placed_actors, serve_cli
 
 SCRIPT = str(ROOT / "cluster" / "local_cluster.sh")
@@ -104,15 +104,6 @@ def under_load(url: str, work: list[str], after: int, action: Callable[[], None]
         outcomes = list(pool.map(lambda p: send(http, p), work))
         trig.result(timeout=120)
     return outcomes, fired["at"]
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 class LocalCluster:

@@ -29,7 +29,7 @@ from deployments.config import AppConfig
 from monitoring.alertmanager import ALERT_NAME, AlertmanagerPush
 from monitoring.drift import DriftEvent
 from monitoring.stack import Stack, free_port
-from tests.conftest import DEMO_TARGET, EAGER, ROOT
+from tests.conftest import DEMO_TARGET, EAGER, ROOT, wait_for
 
 DOMAIN = "tenant-a"
 DRIFT_DRAFT = str(ROOT / "models" / "demo-draft-python")
@@ -120,16 +120,6 @@ class Traffic:
         for f in self._futures:
             f.result(timeout=180)
         self._pool.shutdown()
-
-
-def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def wait_seeing(monitor, until, what: str, stall_s: float = 150, max_s: float = 900):
