@@ -27,7 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 # What the model specs of tests about other things than compiled execution carry: eager
 # forwards (the reference), so that a replica starts in seconds. The compiled path has its
 # own tests (tests/specdec/test_compiled.py, tests/deployments/test_warm_up.py), and the
-# shipped demo.yaml runs it as users get it (tests/clients/, test_serve_deploy.py).
+# shipped demo.yaml runs it as users get it (tests/clients/, test_deploy_shapes.py).
 EAGER = {"execution_mode": "eager"}
 VOCAB = 96
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,6 @@ TWO_NODE_FILES = frozenset(
     for name in (
         "test_deploy_shapes.py",  # ~710 s
         "test_node_loss.py",
-        "test_serve_deploy.py",  # ~440 s
         "test_two_node.py",
     )
 )
@@ -237,6 +236,17 @@ def pytest_collection_modifyitems(config, items):
         lists = "tests/conftest.py RAY_FILES / TWO_NODE_FILES"
         raise pytest.UsageError(f"{lists} lack {sorted(stray)}")
     items.sort(key=run_order)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The local cluster stops once the last of its tests (they run in a row) is done."""
+    if "two_node_cluster" in item.fixturenames and (
+        nextitem is None or "two_node_cluster" not in nextitem.fixturenames
+    ):
+        from tests.deployments.conftest import LOCAL_CLUSTER_STOP
+
+        if stop := item.config.stash.get(LOCAL_CLUSTER_STOP, None):
+            stop()
 
 
 @pytest.hookimpl(optionalhook=True)
