@@ -159,6 +159,9 @@ def app_args(args) -> tuple[str, str, dict]:
         for model in ("target", "draft"):
             cfg["engine"][model]["execution_mode"] = "eager"
         cfg["monitoring"]["drift"]["warmup_tokens"] = 300
+        # Every round drafts: on a loaded host the goodput policy can find k = 0 paying,
+        # and a domain that drafts nothing gives its detector nothing to learn or watch.
+        cfg["engine"]["speculation"]["policy"] = "fixed"
         cfg["adaptation"]["trainer"] |= {"min_requests": 4, "steps": 25, "retry_after_s": 20}
         cfg["adaptation"]["rollback"]["window_rounds"] = 8
     return app["name"], app["route_prefix"], cfg

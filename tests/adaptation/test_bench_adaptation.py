@@ -1,13 +1,14 @@
 """``python -m bench.adaptation --smoke``: the adaptive demo through a real server, short.
 
-In a process of its own (the benchmark starts its own Ray and Serve, as a user would):
-the shipped ``cluster/serve/demo-adaptive.yaml`` with eager models, a short drift warm-up
-and short runs. Python traffic until the ``python`` domain's detector is in control, then
-prose in the same domain, then Python again, with probes of the drift draft's acceptance
-on documents the traffic never contained. What must hold on any machine: every request
-succeeds and equals transformers ``generate`` of the target; the drift alert fires on the
-shift; adaptation starts a run for the domain. (How far and how fast acceptance recovers
-is the full benchmark's figure, not a test's.)
+In a process of its own (the benchmark starts its own Ray and Serve, as a user would): the
+shipped ``cluster/serve/demo-adaptive.yaml`` with eager models, a fixed k (every round
+drafts, whatever the host's load), a short drift warm-up and short runs. Python traffic
+until the ``python`` domain's detector is in control, then prose in the same domain, then
+Python again, with probes of the drift draft's acceptance on documents the traffic never
+contained. What must hold on any machine: every request succeeds and equals transformers
+``generate`` of the target; the drift alert fires on the shift; adaptation starts a run for
+the domain. (How far and how fast acceptance recovers is the full benchmark's figure, not a
+test's.)
 """
 
 import json

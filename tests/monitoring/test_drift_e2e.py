@@ -160,7 +160,10 @@ def drift_app(serve_http):
                 "speculation": {
                     "num_speculative_tokens": 4,
                     "policy": "goodput",
-                    "policy_probe_every": 32,
+                    # Once the alert fired the domain's speculation goes off and only
+                    # probe rounds bring evidence of its recovery: the shortest period
+                    # allowed, so that the resolve needs the fewest rounds in all.
+                    "policy_probe_every": 8,
                 },
                 "scheduler": {"max_num_seqs": 8},
             },
