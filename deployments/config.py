@@ -503,23 +503,31 @@ class EngineConfig(_Strict):
         return self
 
     def _check_tensor_parallel(self) -> None:
-        if self.draft is not None and self.draft.tensor_parallel_size > 1:
+        """A split model's ranks: a device each, on one node; a split draft in its actor."""
+        draft_split = self.draft is not None and self.draft.tensor_parallel_size > 1
+        if draft_split and self.draft_placement == "colocated":
             raise ValueError(
-                "draft.tensor_parallel_size > 1: only the target is split across ranks "
-                "for now; a draft fits one device"
+                "draft.tensor_parallel_size > 1 with draft_placement 'colocated': a "
+                "colocated draft runs in the target's rank 0; split the draft in its own "
+                "actor (draft_placement 'actor')"
             )
-        gpus = self.target_resources.num_gpus
-        if self.target.tensor_parallel_size > 1 and 0 < gpus < 1:
-            raise ValueError(
-                f"target_resources.num_gpus = {gpus:g} with tensor_parallel_size > 1: each "
-                "rank needs a GPU of its own (NCCL cannot join two ranks on one device)"
-            )
-        if self.target.tensor_parallel_size > 1 and "SPREAD" in self.placement_strategy:
-            raise ValueError(
-                f"target.tensor_parallel_size > 1 keeps the target's ranks on one node, "
-                f"which {self.placement_strategy} (bundles on different nodes) does not; use "
-                "PACK, or STRICT_PACK for every worker on one node"
-            )
+        for role in ("target", "draft"):
+            spec, resources = getattr(self, role), getattr(self, f"{role}_resources")
+            if spec is None or spec.tensor_parallel_size == 1:
+                continue
+            gpus = resources.num_gpus
+            if 0 < gpus < 1:
+                raise ValueError(
+                    f"{role}_resources.num_gpus = {gpus:g} with tensor_parallel_size > 1: "
+                    "each rank needs a GPU of its own (NCCL cannot join two ranks on one "
+                    "device)"
+                )
+            if "SPREAD" in self.placement_strategy:
+                raise ValueError(
+                    f"{role}.tensor_parallel_size > 1 keeps the {role}'s ranks on one node, "
+                    f"which {self.placement_strategy} (bundles on different nodes) does not; "
+                    "use PACK, or STRICT_PACK for every worker on one node"
+                )
 
     def _check_colocated(self) -> None:
         if self.draft is None:
@@ -696,4 +704,17 @@ class AppConfig(_Strict):
             [ApiKey(name=DEFAULT_KEY_NAME, key=self.api_key)] if self.api_key is not None else []
         )
         check_unique_keys(single + list(self.api_keys or []))
+        return self
+
+    @model_validator(mode="after")
+    def _adapted_draft_whole(self) -> AppConfig:
+        """New draft weights load into a whole draft only (a split one refuses them)."""
+        draft, adaptation = self.engine.draft, self.adaptation
+        adapts = adaptation.retention.enabled and adaptation.enabled
+        if adapts and draft is not None and draft.tensor_parallel_size > 1:
+            raise ValueError(
+                "adaptation (retention.enabled and enabled) with draft.tensor_parallel_size "
+                "> 1: adapted weights load into a whole draft only; keep the draft on one "
+                "device to adapt it"
+            )
         return self

@@ -263,14 +263,17 @@ class EngineCoreConfig(msgspec.Struct, frozen=True):
 
 class RankConfig(msgspec.Struct, frozen=True):
     """What a :class:`deployments.workers.tensor_parallel_rank.TensorParallelRank` is built
-    from: the target's spec, loaded as its core loads it, and its place in the group."""
+    from: its model's spec, loaded as rank 0 (the engine core for the target, the draft
+    worker for a draft) loads it, and its place in the group."""
 
-    spec: dict[str, Any]  # the target's ModelSpec fields (model_dump)
-    rank: int  # 1 .. world_size - 1 (the core is rank 0)
-    world_size: int  # target.tensor_parallel_size
-    max_num_seqs: int  # sequences in one batch (the KV plan, as the core's)
+    spec: dict[str, Any]  # the split model's ModelSpec fields (model_dump)
+    rank: int  # 1 .. world_size - 1 (the core or the draft worker is rank 0)
+    world_size: int  # the model's tensor_parallel_size
+    max_num_seqs: int  # KV slots (the KV plan, as rank 0's)
     timeout_s: float  # longest wait in a pass for the other ranks [s]
     cpu_affinity: list[int] | None = None  # [cores] its thread runs on (None: any)
+    verifies: bool = True  # False for a draft: no every-position logits in its reserve
+    role: str = "target"  # "target" or "draft": which model's rank (names it for operators)
 
 
 class OutputsRequest(msgspec.Struct, frozen=True):
@@ -305,6 +308,10 @@ class DraftWorkerConfig(msgspec.Struct, frozen=True):
     transport: str = "actor"  # "compiled_graph": drafts go back as the step's reply
     min_confidence: float = 0.0  # stop a row's drafts below this draft probability
     cpu_affinity: list[int] | None = None  # [cores] the loop thread runs on (None: any)
+    # A split draft's ranks 1 .. M - 1 (TensorParallelRank actor handles, started by the
+    # launcher, joined by the worker at load); empty: the draft is whole here.
+    ranks: list[Any] = msgspec.field(default_factory=list)
+    rank_timeout_s: float = 30.0  # longest wait in a pass for the other ranks [s]
 
 
 # ----- the wire: the round's messages as bytes (and arrays) ---------------------------------

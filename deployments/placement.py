@@ -47,11 +47,14 @@ class Placement:
     draft_bundle: int | None
     # The target's ranks 1 .. N - 1 (target.tensor_parallel_size), after the others.
     rank_bundles: tuple[int, ...] = ()
+    # A split draft's ranks 1 .. M - 1 (draft.tensor_parallel_size), after the target's.
+    draft_rank_bundles: tuple[int, ...] = ()
 
 
 def placement_for(config: EngineConfig) -> Placement:
     """Bundles and strategy for one engine replica and its workers (a tensor-parallel
-    target's other ranks last, each with the target's resources; PACK keeps them with it).
+    target's other ranks after them, each with the target's resources, then a split
+    draft's, each with the draft's; PACK keeps ranks with their worker).
 
     With STRICT_SPREAD Ray puts every bundle on a different node; the engine bundle then
     needs a third node, so we drop the replica's own resources into the target's node by
@@ -60,16 +63,24 @@ def placement_for(config: EngineConfig) -> Placement:
     (:func:`replica_actor_options`); the rest is the target's.
     """
     placement = _workers(config)
-    ranks = config.target.tensor_parallel_size - 1
-    if not ranks:
-        return placement
-    first = len(placement.bundles)
+    bundles = list(placement.bundles)
+
+    def ranks_of(size: int, resources: WorkerResources) -> tuple[int, ...]:
+        first = len(bundles)
+        bundles.extend([bundle(resources)] * (size - 1))
+        return tuple(range(first, len(bundles)))
+
+    target_ranks = ranks_of(config.target.tensor_parallel_size, config.target_resources)
+    draft_ranks = ()
+    if placement.draft_bundle is not None:  # (a draft actor: one to split)
+        draft_ranks = ranks_of(config.draft.tensor_parallel_size, config.draft_resources)
     return Placement(
-        placement.bundles + [bundle(config.target_resources)] * ranks,
+        bundles,
         placement.strategy,
         placement.target_bundle,
         placement.draft_bundle,
-        tuple(range(first, first + ranks)),
+        target_ranks,
+        draft_ranks,
     )
 
 

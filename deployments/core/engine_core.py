@@ -66,16 +66,16 @@ from deployments.workers.channel import ChannelServer, FrameSocket
 from deployments.workers.drafting import DraftRounds, WeightsHandoff
 from deployments.workers.model_loader import (
     configure_thread,
+    group_health,
     load_runner,
+    load_split,
     pin_thread,
     warm_up,
-    worker_device,
     worker_info,
 )
 from specdec.policy import SpeculationLength
 from specdec.proposer_choice import ProposerChoice
 from specdec.proposers import DraftModelProposer, ngram_propose
-from specdec.rank_group import free_port, lead
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
 from specdec.speculation_cache import SpeculativeDrafter
@@ -200,23 +200,7 @@ class EngineCore:
         make = partial(load_runner, self.spec, config.max_num_seqs, **kwargs)
         if not config.ranks:
             return make()
-        mine = ray.get_runtime_context().get_node_id()
-        where = ray.get([rank.health.remote() for rank in config.ranks])  # (alive, placed)
-        apart = [r["rank"] for r in where if r["node_id"] != mine]
-        if apart:
-            raise RuntimeError(
-                f"tensor-parallel ranks {apart} are not on rank 0's node: the placement "
-                "group could not pack them together (placement_strategy PACK or STRICT_PACK, "
-                "and target_resources that one node holds N times)"
-            )
-        # The group's store listens on loopback: every rank is on this node.
-        init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-        for rank in config.ranks:
-            rank.join.remote(init_method)
-        world = len(config.ranks) + 1
-        runner = lead(make, world, init_method, worker_device(self.spec), config.rank_timeout_s)
-        self.ranks = ray.get([rank.ready.remote() for rank in config.ranks])
-        logger.info("%s split over %d ranks (group at %s)", self.spec.model, world, init_method)
+        runner, self.ranks = load_split(make, config.ranks, self.spec, config.rank_timeout_s)
         return runner
 
     def _colocated_link(self, cfg: ColocatedDraftConfig) -> ColocatedDraftLink:
@@ -370,19 +354,8 @@ class EngineCore:
         }
 
     def _group_health(self) -> dict[str, Any] | None:
-        """A tensor-parallel target's ranks as they answer now (None: the target is whole):
-        rank 0's broadcast calls, and each other rank's calls run, or why it did not answer."""
-        if not self._rank_actors:
-            return None
-        refs = [actor.health.remote() for actor in self._rank_actors]
-        ray.wait(refs, num_returns=len(refs), timeout=5.0)  # one deadline for them all
-        ranks = []
-        for i, ref in enumerate(refs, start=1):
-            try:
-                ranks.append(ray.get(ref, timeout=0))
-            except Exception as exc:  # dead or hung: the group fails at its next pass
-                ranks.append({"rank": i, "error": repr(exc)})
-        return {"size": len(ranks) + 1, "calls": self.runner.group.calls, "ranks": ranks}
+        """A split target's ranks as they answer now (None: the target is whole)."""
+        return group_health(self.runner, self._rank_actors)
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:

@@ -110,6 +110,7 @@ class EngineClient:
         # The core's outputs over a direct connection (None: a Ray call per poll).
         self._outputs = OutputsChannel() if config.direct_channel else None
         self._draft_kv: dict[str, Any] | None = None  # the draft actor's KV, refreshed with it
+        self._draft_tp: dict[str, Any] | None = None  # ... and a split draft's ranks
         self._core_health_at = float("-inf")
         # The draft weights every draft of this engine must serve, (version, state dict
         # in Ray's object store), once load_draft_weights has been called: a replacement
@@ -264,6 +265,7 @@ class EngineClient:
             "draft_channel": self._core_health.get("draft_channel"),
             # a split target's ranks: size, rank 0's calls, each other rank's (None: whole)
             "tensor_parallel": self._core_health.get("tensor_parallel"),
+            "draft_tensor_parallel": self._draft_tp if self.draft is not None else None,
             "outputs_polls": None if self._outputs is None else dict(self._outputs.polls),
             "error": self._fatal,
         }
@@ -620,7 +622,8 @@ class EngineClient:
         draft = self.draft
         if draft is not None:
             with contextlib.suppress(RayActorError, asyncio.TimeoutError):
-                self._draft_kv = (await self._call(draft.stats.remote()))["kv_cache"]
+                stats = await self._call(draft.stats.remote())
+                self._draft_kv, self._draft_tp = stats["kv_cache"], stats["tensor_parallel"]
 
     def _fail(self, message: str) -> None:
         self._fatal = message

@@ -47,12 +47,13 @@ class WorkerLauncher:
         # The core adds the EOS ids of the model's generation_config to these.
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else []
-        self._ranks: list[Any] = []  # the current target's other ranks (tensor parallel)
+        # The current other ranks (tensor parallel) of each split model, by role.
+        self._ranks: dict[str, list[Any]] = {"target": [], "draft": []}
 
     @property
     def ranks(self) -> list[Any]:
-        """The current target's other ranks (a split target's; empty for a whole one)."""
-        return list(self._ranks)
+        """The current target's and draft's other ranks (empty for whole models)."""
+        return [*self._ranks["target"], *self._ranks["draft"]]
 
     @property
     def colocated(self) -> bool:
@@ -105,37 +106,44 @@ class WorkerLauncher:
             )
         )
 
-    def spawn_ranks(self) -> list[Any]:
-        """A tensor-parallel target's ranks 1 .. N - 1, each in its bundle with the
-        target's resources (none for a whole target), the last target's killed first.
-        The core joins them as it loads."""
+    def spawn_ranks(self, role: str = "target") -> list[Any]:
+        """A split model's ranks 1 .. N - 1 (``role``: "target" or "draft"), each in its
+        bundle with that model's resources (none for a whole model), the last worker's
+        killed first. Its worker (the core, the draft worker) joins them as it loads."""
         cfg = self.config
-        world = cfg.target.tensor_parallel_size
-        for old in self._ranks:  # a replaced core's: dead with it, or hung in a pass
+        spec, resources = getattr(cfg, role), getattr(cfg, f"{role}_resources")
+        for old in self._ranks[role]:  # a replaced worker's: dead with it, or hung in a pass
             ray.kill(old, no_restart=True)
-        self._ranks = [
+        p = self.placement
+        bundles = p.rank_bundles if role == "target" else p.draft_rank_bundles
+        if self.pg is None:
+            bundles = (None,) * (spec.tensor_parallel_size - 1)
+        self._ranks[role] = [
             ray.remote(TensorParallelRank)
-            .options(**self.options(cfg.target_resources, bundle_index))
+            .options(**self.options(resources, bundle_index))
             .remote(
                 RankConfig(
-                    spec=cfg.target.model_dump(),
+                    spec=spec.model_dump(),
                     rank=rank,
-                    world_size=world,
-                    max_num_seqs=cfg.scheduler.max_num_seqs,
+                    world_size=spec.tensor_parallel_size,
+                    max_num_seqs=self._kv_slots(role),
                     timeout_s=cfg.faults.rank_timeout_s,
                     cpu_affinity=None,
+                    verifies=role == "target",
+                    role=role,
                 )
             )
-            for rank, bundle_index in enumerate(self._rank_bundles(), start=1)
+            for rank, bundle_index in enumerate(bundles, start=1)
         ]
-        return self._ranks
+        return self._ranks[role]
 
-    def _rank_bundles(self) -> list[int | None]:
-        """The ranks' bundles (None each where there is no placement group)."""
-        world = self.config.target.tensor_parallel_size
-        if self.pg is None:
-            return [None] * (world - 1)
-        return list(self.placement.rank_bundles)
+    def _kv_slots(self, role: str) -> int:
+        """The KV slots the role's worker loads its runner with (a draft actor's hold its
+        speculation branches too): each of its ranks loads as many."""
+        slots = self.config.scheduler.max_num_seqs
+        if role == "draft":
+            return DraftWorker.kv_slots(slots, self.config.speculation.speculation_width)
+        return slots
 
     def _proposer_choice(self) -> ProposerChoiceConfig | None:
         """The per-domain proposer choice, where some request may use it: policy
@@ -153,6 +161,8 @@ class WorkerLauncher:
             .options(**self.options(cfg.draft_resources, self.placement.draft_bundle))
             .remote(
                 DraftWorkerConfig(
+                    ranks=self.spawn_ranks("draft"),
+                    rank_timeout_s=cfg.faults.rank_timeout_s,
                     spec=cfg.draft.model_dump(),
                     max_num_seqs=cfg.scheduler.max_num_seqs,
                     speculation_width=spec.speculation_width,

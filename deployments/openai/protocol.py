@@ -410,12 +410,14 @@ class DraftChannelState(BaseModel):
 
 
 class RankState(BaseModel):
-    rank: int = Field(description="Its index in the group (1 .. size - 1; the core is 0).")
-    pid: int | None = Field(default=None, description="Its process, on the core's node.")
+    rank: int = Field(
+        description="Its index in the group (1 .. size - 1; rank 0 is the core, or the "
+        "draft worker for a split draft)."
+    )
+    pid: int | None = Field(default=None, description="Its process, on rank 0's node.")
     calls: int | None = Field(
         default=None,
-        description="Runner calls it has run for the core (equal to the "
-        "core's when it has caught up).",
+        description="Runner calls it has run for rank 0 (equal to rank 0's when it has caught up).",
     )
     error: str | None = Field(
         default=None,
@@ -425,8 +427,10 @@ class RankState(BaseModel):
 
 
 class TensorParallelState(BaseModel):
-    size: int = Field(description="Ranks the target is split over (tensor_parallel_size).")
-    calls: int = Field(description="Runner calls the core (rank 0) broadcast to the group.")
+    size: int = Field(description="Ranks the model is split over (tensor_parallel_size).")
+    calls: int = Field(
+        description="Runner calls rank 0 (the core, or the draft worker) broadcast to the group."
+    )
     ranks: list[RankState] = Field(description="The other ranks, as each answered.")
 
 
@@ -477,5 +481,11 @@ class Health(BaseModel):
         default=None,
         description="A target split over ranks (target.tensor_parallel_size > 1): each "
         "rank as it answered the core. None for a whole target, or until the core reports.",
+    )
+    draft_tensor_parallel: TensorParallelState | None = Field(
+        default=None,
+        description="A draft split over ranks (draft.tensor_parallel_size > 1): each rank "
+        "as it answered the draft worker (its rank 0). None for a whole or colocated draft, "
+        "while one is replaced, or until the draft reports.",
     )
     error: str | None = Field(default=None, description="Why the replica cannot serve.")

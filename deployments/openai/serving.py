@@ -57,6 +57,7 @@ def engine_health(engine: EngineClient) -> tuple[Health, int]:
         draft_versions=h["draft_versions"],
         draft_channel=h["draft_channel"],
         tensor_parallel=h["tensor_parallel"],
+        draft_tensor_parallel=h["draft_tensor_parallel"],
         error=h["error"],
     )
     return body, 503 if body.status == "unavailable" else 200

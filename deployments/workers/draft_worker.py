@@ -9,8 +9,10 @@ target; every message is a type of :mod:`deployments.messages`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from functools import partial
 from typing import Any, ClassVar
 
 import ray
@@ -30,7 +32,9 @@ from deployments.workers.channel import ChannelServer, FrameSocket
 from deployments.workers.drafting import DraftRounds, WeightsHandoff, pushed_drafts
 from deployments.workers.model_loader import (
     configure_thread,
+    group_health,
     load_runner,
+    load_split,
     pin_thread,
     warm_up,
     worker_info,
@@ -62,9 +66,17 @@ class DraftWorker:
         self._cpu_affinity = config.cpu_affinity
         self.cores: list[int] = []  # what the loop thread is pinned to (empty: not pinned)
         width, max_num_seqs = config.speculation_width, config.max_num_seqs
-        # Branches of the speculation cache are sequences too, from the same KV budget:
-        # slots for as many sequences as the core runs are kept, the rest hold branches.
-        self.runner = load_runner(self.spec, max_num_seqs * (1 + width), verifies=False)
+        make = partial(load_runner, self.spec, self.kv_slots(max_num_seqs, width), verifies=False)
+        # A split draft (draft.tensor_parallel_size > 1): this worker is rank 0 of its group,
+        # config.ranks the others, each loading its share as this one loads its own.
+        self.ranks: list[dict[str, Any]] = []  # the other ranks' ready answers
+        self._rank_actors = list(config.ranks)  # ... and their actors
+        if config.ranks:
+            self.runner, self.ranks = load_split(
+                make, config.ranks, self.spec, config.rank_timeout_s
+            )
+        else:
+            self.runner = make()
         # A draft's graphs are small: compiled here, before the worker reports ready.
         self.compile_seconds = warm_up(self.runner)
         self.drafter = SpeculativeDrafter(
@@ -99,9 +111,19 @@ class DraftWorker:
         self.weights = WeightsHandoff(self._cv, "draft")  # new weights for the loop
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
 
+    @staticmethod
+    def kv_slots(max_num_seqs: int, speculation_width: int) -> int:
+        """KV slots of the draft's runner (and of each of a split draft's ranks): branches
+        of the speculation cache are sequences too, from the same budget; slots for as many
+        sequences as the core runs are kept, the rest hold branches."""
+        return max_num_seqs * (1 + speculation_width)
+
     @ray.method(concurrency_group="io")
     def ready(self) -> dict[str, Any]:
-        return {**worker_info(self.runner), "compile_seconds": self.compile_seconds}
+        info = {**worker_info(self.runner), "compile_seconds": self.compile_seconds}
+        if self.ranks:
+            info["ranks"] = self.ranks
+        return info
 
     @ray.method(concurrency_group="io")
     def set_core(self, core, vocab_limit: int | None = None, num_seqs: int | None = None) -> None:
@@ -196,6 +218,8 @@ class DraftWorker:
             "error": self.error,
             "failed_sequences": self.rounds.failed_sequences,
             "kv_cache": self.runner.kv_usage(),
+            # a split draft's ranks: size, this rank 0's calls, each other rank's (None: whole)
+            "tensor_parallel": group_health(self.runner, self._rank_actors),
             "cores": self.cores,
             "weights_version": self.weights.version,
             "messages": dict(self.messages),
@@ -263,12 +287,25 @@ class DraftWorker:
                 finally:
                     self._busy_since = None
                     self._waiting_since = time.monotonic()
+                if getattr(self.runner, "broken", False):  # (drafting caught it per row)
+                    self._exit_with_group()
         except Exception as exc:
             logger.exception("draft loop failed")
+            if self.ranks:  # a pass failed mid-way: the group may be out of step for good
+                self._exit_with_group()
             with self._cv:
                 self.error = f"draft loop failure: {exc!r}"
                 self._cv.notify_all()
             self._stop_event.set()
+
+    def _exit_with_group(self) -> None:
+        """Leave with a failed split-draft group (a rank died, or hung past
+        ``faults.rank_timeout_s``): the process exits, the core serves target-only and
+        replaces this worker as any dead draft, with a fresh group (the launcher kills the
+        old ranks)."""
+        logger.error("the draft's tensor-parallel group failed: exiting for a replacement")
+        logging.shutdown()
+        os._exit(1)
 
     def _send(self, core, route: FrameSocket | None, msg_no: int, push: DraftPush) -> None:
         """Drafts to the core: the reply of a compiled-graph step, or a push."""

@@ -1,12 +1,14 @@
-"""Loading a model runner for a worker: the spec's model on its device with its KV cache,
-and the per-thread torch settings a loop thread needs. Used by the draft worker and by the
-engine core (which loads the target, and a colocated draft)."""
+"""Loading a model runner for a worker: the spec's model on its device with its KV cache
+(whole, or rank 0's share with the other ranks joining), and the per-thread torch settings a
+loop thread needs. Used by the draft worker and by the engine core (which loads the target,
+and a colocated draft)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -14,6 +16,7 @@ import torch
 
 from deployments.config import ModelSpec
 from specdec.execution import EAGER, default_execution_mode, seconds_by_name, use_compile_cache
+from specdec.rank_group import MirroredRunner, free_port, lead
 from specdec.runner import ModelRunner
 from specdec.tensor_parallel import ModelShard
 
@@ -124,6 +127,48 @@ def load_runner(
         if r is not None and r.kv_plan is not None:
             _log_kv(r)
     return runner
+
+
+def load_split(
+    make: Callable[..., Any], ranks: list[Any], spec: ModelSpec, timeout_s: float
+) -> tuple[MirroredRunner, list[dict[str, Any]]]:
+    """Rank 0's share of a model split over ``ranks`` (TensorParallelRank actors, 1 ..
+    N - 1), loaded by ``make(shard=...)`` as the others load theirs while they join this
+    process's group; returns the runner and each other rank's ``ready`` answer (where it
+    runs). Ranks placed on another node are refused: the group's store is on loopback."""
+    mine = ray.get_runtime_context().get_node_id()
+    where = ray.get([rank.health.remote() for rank in ranks])  # (alive, placed)
+    apart = [r["rank"] for r in where if r["node_id"] != mine]
+    if apart:
+        raise RuntimeError(
+            f"tensor-parallel ranks {apart} of {spec.model} are not on rank 0's node: the "
+            "placement group could not pack them together (placement_strategy PACK or "
+            "STRICT_PACK, and resources that one node holds N times)"
+        )
+    init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    for rank in ranks:
+        rank.join.remote(init_method)
+    world = len(ranks) + 1
+    runner = lead(make, world, init_method, worker_device(spec), timeout_s)
+    infos = ray.get([rank.ready.remote() for rank in ranks])
+    logger.info("%s split over %d ranks (group at %s)", spec.model, world, init_method)
+    return runner, infos
+
+
+def group_health(runner, rank_actors: list[Any]) -> dict[str, Any] | None:
+    """A split model's ranks as they answer now (None: the model is whole): rank 0's
+    broadcast calls, and each other rank's calls run, or why it did not answer."""
+    if not rank_actors:
+        return None
+    refs = [actor.health.remote() for actor in rank_actors]
+    ray.wait(refs, num_returns=len(refs), timeout=5.0)  # one deadline for them all
+    ranks = []
+    for i, ref in enumerate(refs, start=1):
+        try:
+            ranks.append(ray.get(ref, timeout=0))
+        except Exception as exc:  # dead or hung: the group fails at its next pass
+            ranks.append({"rank": i, "error": repr(exc)})
+    return {"size": len(ranks) + 1, "calls": runner.group.calls, "ranks": ranks}
 
 
 def _log_loaded(spec: ModelSpec, runner: ModelRunner, seconds: float) -> None:

@@ -1,13 +1,14 @@
-"""A tensor-parallel target's rank other than 0: its share of the model, following the core.
+"""A split model's rank other than 0: its share of the model, following rank 0.
 
-The engine core is rank 0: it holds its own share and runs the round loop, and every call
-of its runner that runs a pass reaches the other ranks as one broadcast
-(:mod:`specdec.rank_group`). Each other rank is one of these actors, on a device of its own
-in the replica's placement group, named for what it is so that operators find the ranks
-in Ray's dashboard and state API. It decides nothing: it loads its share as the core
-loads its own and runs what the core broadcasts, until the core stops it or the group
-fails. A failed group is not repaired here: the actor exits, its core exits with it, and
-the replica replaces the core (which starts a fresh group).
+For a split target the engine core is rank 0, for a split draft the draft worker: it holds
+its own share and runs its loop, and every call of its runner that runs a pass reaches the
+other ranks as one broadcast (:mod:`specdec.rank_group`). Each other rank is one of these
+actors, on a device of its own in the replica's placement group, named for what it is so
+that operators find the ranks in Ray's dashboard and state API (``health`` says whose).
+It decides nothing: it loads its share as rank 0 loads its own and runs what rank 0
+broadcasts, until rank 0 stops it or the group fails. A failed group is not repaired here:
+the actor exits, rank 0 exits with it, and the replica replaces that worker (which starts a
+fresh group).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ logger = logging.getLogger("specserve.workers")
 
 
 class TensorParallelRank:
-    """One rank (1 .. N - 1) of a tensor-parallel target (a threaded Ray actor)."""
+    """One rank (1 .. N - 1) of a split target or draft (a threaded Ray actor)."""
 
     def __init__(self, config: RankConfig):
         self.config = config
@@ -71,7 +72,7 @@ class TensorParallelRank:
                 c.timeout_s,
                 self._counted,
             )
-            logger.info("rank %d of %s stopped by its core", c.rank, self.spec.model)
+            logger.info("rank %d of %s stopped by rank 0", c.rank, self.spec.model)
         except BaseException as exc:
             # The group is broken (the core or another rank died or hung) or this rank
             # failed: nothing here can be served again. Exit, as the core does.
@@ -80,7 +81,7 @@ class TensorParallelRank:
             os._exit(1)
 
     def _load(self, max_num_seqs: int, shard):
-        runner = load_runner(self.spec, max_num_seqs, shard=shard)
+        runner = load_runner(self.spec, max_num_seqs, shard=shard, verifies=self.config.verifies)
         self._loaded.set()
         return runner
 
@@ -98,6 +99,7 @@ class TensorParallelRank:
         ctx = ray.get_runtime_context()
         return {
             "rank": self.config.rank,
+            "role": self.config.role,
             "node_id": ctx.get_node_id(),
             "pid": os.getpid(),
             "loaded": self._loaded.is_set(),

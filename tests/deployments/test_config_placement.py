@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import EngineConfig, WorkerResources
+from deployments.config import AppConfig, EngineConfig, WorkerResources
 from deployments.placement import bundle, placement_for
 from tests.conftest import COMPILE_CACHE_DIR
 
@@ -283,12 +283,55 @@ def test_a_split_target_gets_a_bundle_per_rank_after_the_others():
     assert placement_for(cfg()).rank_bundles == ()  # a whole target: none
 
 
+def test_a_split_draft_gets_a_bundle_per_rank_after_the_targets():
+    c = cfg(
+        target={"model": "t", "tensor_parallel_size": 2},
+        draft={"model": "d", "tensor_parallel_size": 3},
+        target_resources={"num_gpus": 1, "resources": {"target": 1}},
+        draft_resources={"num_gpus": 1, "resources": {"draft": 1}},
+    )
+    p = placement_for(c)
+    assert (p.target_bundle, p.draft_bundle, p.rank_bundles) == (1, 2, (3,))
+    assert p.draft_rank_bundles == (4, 5)
+    assert all(p.bundles[i] == p.bundles[p.draft_bundle] for i in p.draft_rank_bundles)
+    whole = placement_for(cfg(target={"model": "t", "tensor_parallel_size": 2}))
+    assert whole.draft_rank_bundles == ()
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"draft_placement": "colocated"}, "draft_placement 'colocated'"),
+        ({"placement_strategy": "SPREAD"}, "draft.tensor_parallel_size > 1 keeps"),
+        ({"placement_strategy": "STRICT_SPREAD"}, "STRICT_SPREAD"),
+        ({"draft_resources": {"num_gpus": 0.5}}, "draft_resources.num_gpus"),
+        (
+            {"draft": {"model": "d", "tensor_parallel_size": 2, "execution_mode": "torch_compile"}},
+            "runs eager",
+        ),
+    ],
+)
+def test_split_draft_refusals_name_the_field(bad, field):
+    kw = {"draft": {"model": "d", "tensor_parallel_size": 2}, **bad}
+    with pytest.raises(ValidationError, match=field):
+        cfg(**kw)
+
+
+def test_an_adapted_draft_stays_whole():
+    engine = {"target": {"model": "t"}, "draft": {"model": "d", "tensor_parallel_size": 2}}
+    AppConfig.model_validate({"engine": engine})  # (no retention, no adaptation: fine)
+    adapting = {"retention": {"enabled": True}}
+    with pytest.raises(ValidationError, match=r"adaptation \(retention.enabled and enabled\)"):
+        AppConfig.model_validate({"engine": engine, "adaptation": adapting})
+    adapting["enabled"] = False  # (requests kept, runs off: nothing loads into the draft)
+    AppConfig.model_validate({"engine": engine, "adaptation": adapting})
+
+
 @pytest.mark.parametrize(
     ("bad", "field"),
     [
         ({"placement_strategy": "SPREAD"}, "SPREAD"),
         ({"placement_strategy": "STRICT_SPREAD"}, "STRICT_SPREAD"),
-        ({"draft": {"model": "d", "tensor_parallel_size": 2}}, "draft.tensor_parallel_size"),
         (
             {
                 "target": {

@@ -2,9 +2,11 @@
 core is rank 0, a TensorParallelRank actor rank 1, gloo between them. Greedy output through
 the engine and over HTTP equals transformers ``generate`` of the target for the families
 the issue names (the draft colocated); health shows each rank; with the draft in its own
-actor, a rank SIGKILLed under load takes its group down, the core is replaced with a fresh
-group, and every request completes with the same tokens."""
+actor, a rank SIGKILLed, or hung (SIGSTOP) past ``faults.rank_timeout_s``, under load takes
+its group down, the core is replaced with a fresh group, and every request completes with
+the same tokens."""
 
+import contextlib
 import os
 import signal
 import time
@@ -17,21 +19,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.app import build_specserve_app
 from deployments.config import AppConfig
-from tests.conftest import EAGER
+from tests.conftest import EAGER, wait_for
 from tests.deployments.test_families_http import eos_ids
 from tests.specdec.test_families import prompts, reference
 
 NEW_TOKENS = 20
 
 
-def split_app(name: str, family_dirs, draft_placement: str = "actor", **faults):
+def split_app(
+    name: str, family_dirs, draft_placement: str = "actor", draft_ranks: int = 1, **faults
+):
     target, draft, tokenizer = family_dirs
     model = {"tokenizer": tokenizer, "num_threads": 1, "max_model_len": 512, **EAGER}
     cfg = AppConfig.model_validate(
         {
             "engine": {
                 "target": {"model": target, "tensor_parallel_size": 2, **model},
-                "draft": {"model": draft, **model},
+                "draft": {"model": draft, "tensor_parallel_size": draft_ranks, **model},
                 "served_model_name": name,
                 "draft_placement": draft_placement,
                 "engine_resources": {"num_cpus": 0.5},
@@ -48,7 +52,8 @@ def split_app(name: str, family_dirs, draft_placement: str = "actor", **faults):
 
 # The draft colocated (in rank 0's process: one process fewer to start per family); the
 # draft actor beside a split target runs in the rank-kill test below and in the joint-law
-# test (test_engine_law.py, "actor-tp2").
+# test (test_engine_law.py, "actor-tp2"); a split draft (its worker rank 0 of a group of
+# its own) beside the split target in "actor-split".
 @pytest.mark.parametrize(
     ("family", "draft_placement"),
     [
@@ -56,6 +61,7 @@ def split_app(name: str, family_dirs, draft_placement: str = "actor", **faults):
         ("qwen2.5", "colocated"),  # 1 KV head: replicated on both ranks
         ("qwen3", "colocated"),  # q/k norms, a head_dim of its own
         ("mistral", "colocated"),  # every layer slides
+        ("llama3", "actor-split"),  # the draft over two ranks too
     ],
 )
 def test_split_target_served_exactly(family, draft_placement, family_models, serve_http):
@@ -64,34 +70,65 @@ def test_split_target_served_exactly(family, draft_placement, family_models, ser
     hf = AutoModelForCausalLM.from_pretrained(dirs[0])
     eos = eos_ids(hf, tokenizer)
     name = f"tp-{family.replace('.', '')}-{draft_placement}"
-    handle = serve.run(split_app(name, dirs, draft_placement), name=name, route_prefix=f"/{name}")
+    split_draft = draft_placement == "actor-split"
+    app = split_app(name, dirs, draft_placement.split("-")[0], draft_ranks=1 + split_draft)
+    handle = serve.run(app, name=name, route_prefix=f"/{name}")
     client = OpenAI(base_url=f"{serve_http}/{name}/v1", api_key="unused", max_retries=0)
     try:
-        accepted = 0
-        for prompt in prompts(tokenizer)[:2]:
-            expected = reference(hf, prompt, NEW_TOKENS, eos)
-            chunks = list(
-                handle.options(stream=True).generate.remote(
-                    {
-                        "prompt_token_ids": prompt,
-                        "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS},
-                    }
-                )
-            )
-            assert [t for c in chunks for t in c["new_token_ids"]] == expected, family
-            text = tokenizer.decode(prompt, skip_special_tokens=True)
-            resp = client.completions.create(
-                model=name, prompt=text, max_tokens=NEW_TOKENS, temperature=0
-            )
-            assert resp.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
-            accepted += resp.model_extra["speculation"]["accepted"]
-        assert accepted > 0
+        assert _served_exactly(handle, client, name, tokenizer, hf, eos) > 0  # accepted
         group = _settled_group(handle)
         assert group["size"] == 2 and group["calls"] > 0
         assert [r["rank"] for r in group["ranks"]] == [1]
         assert group["ranks"][0]["calls"] == group["calls"]  # every call reached rank 1
+        if split_draft:
+            _draft_rank_killed_and_replaced(handle, client, name, tokenizer, hf, eos)
     finally:
         serve.delete(name)
+
+
+def _served_exactly(handle, client, name, tokenizer, hf, eos) -> int:
+    """Two prompts through the engine (token ids) and over HTTP (text) give transformers'
+    greedy tokens; returns the drafts accepted over HTTP."""
+    accepted = 0
+    for prompt in prompts(tokenizer)[:2]:
+        expected = reference(hf, prompt, NEW_TOKENS, eos)
+        request = {
+            "prompt_token_ids": prompt,
+            "params": {"temperature": 0.0, "max_tokens": NEW_TOKENS},
+        }
+        chunks = list(handle.options(stream=True).generate.remote(request))
+        assert [t for c in chunks for t in c["new_token_ids"]] == expected, name
+        text = tokenizer.decode(prompt, skip_special_tokens=True)
+        resp = client.completions.create(
+            model=name, prompt=text, max_tokens=NEW_TOKENS, temperature=0
+        )
+        assert resp.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        accepted += resp.model_extra["speculation"]["accepted"]
+    return accepted
+
+
+def _draft_rank_killed_and_replaced(handle, client, name, tokenizer, hf, eos) -> None:
+    """The split draft's rank 1 SIGKILLed: its worker's next pass fails, the worker exits
+    with its group, requests go on target-only (unchanged), and a new draft with new ranks
+    drafts again."""
+
+    def draft_group():  # (the replica refreshes it with its health polls)
+        group = handle.health_info.remote().result()["draft_tensor_parallel"]
+        return group if group and group["calls"] > 0 else None
+
+    draft_group = wait_for(draft_group, 30, "the split draft's health")
+    assert draft_group["size"] == 2 and draft_group["ranks"][0]["role"] == "draft"
+    old = draft_group["ranks"][0]["pid"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while True:  # requests all along: the first finds the group broken
+        _served_exactly(handle, client, name, tokenizer, hf, eos)
+        health = handle.health_info.remote().result()
+        now = health["draft_tensor_parallel"]
+        if health["draft"] and now and now["ranks"][0].get("pid") not in (None, old):
+            break
+        assert time.monotonic() < deadline, health
+    assert _served_exactly(handle, client, name, tokenizer, hf, eos) > 0  # drafting again
 
 
 def _settled_group(handle, wait_s: float = 30.0) -> dict:
@@ -118,10 +155,17 @@ def _rank_pid(handle) -> int:
     return _settled_group(handle)["ranks"][0]["pid"]
 
 
-def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http):
+# A hung rank: the core's next pass waits rank_timeout_s for its sums, then the group fails
+# as for a dead rank. (Serve's health check is not what replaces it: /health stays 200.)
+HUNG_RANK_TIMEOUT_S = 10.0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http, sig):
     """32 greedy requests through the engine, 8 at a time; once the first has finished,
-    rank 1 is SIGKILLed. Its group fails at the next pass, the core exits and is replaced
-    with a new group, and every request completes with the tokens transformers gives."""
+    rank 1 is SIGKILLed (or SIGSTOPped: hung). Its group fails at the next pass (the hung
+    rank's after ``rank_timeout_s``), the core exits and is replaced with a new group, the
+    old rank killed, and every request completes with the tokens transformers gives."""
     dirs = family_models["llama3"]
     tokenizer = AutoTokenizer.from_pretrained(dirs[2])
     hf = AutoModelForCausalLM.from_pretrained(dirs[0])
@@ -129,8 +173,10 @@ def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http):
     base = prompts(tokenizer)
     jobs = [base[i % len(base)][: 20 + i % 17] for i in range(32)]  # mixed lengths
     expected = [reference(hf, p, 32, eos) for p in jobs]
-    name = "tp-kill"
-    handle = serve.run(split_app(name, dirs), name=name, route_prefix=f"/{name}")
+    name = f"tp-{sig.name.lower()}"
+    faults = {"rank_timeout_s": HUNG_RANK_TIMEOUT_S} if sig == signal.SIGSTOP else {}
+    handle = serve.run(split_app(name, dirs, **faults), name=name, route_prefix=f"/{name}")
+    old = None
     first_done = []
 
     def complete(ids: list[int]) -> list[int]:
@@ -147,17 +193,31 @@ def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http):
             while not first_done and time.monotonic() < deadline:
                 time.sleep(0.01)  # (waits for the first answer; no work stands in)
             assert first_done, [f.exception() for f in futures if f.done()]
-            os.kill(old, signal.SIGKILL)
+            os.kill(old, sig)
             killed_at, done_before = time.monotonic(), len(first_done)
             outputs = [f.result(timeout=600) for f in futures]
         assert outputs == expected
         health = handle.health_info.remote().result()
         assert health["target_restarts"] >= 1
         print(  # the recovery's figures (pytest -s)
-            f"rank 1 killed with {len(jobs) - done_before} requests unfinished: all "
+            f"rank 1 {sig.name} with {len(jobs) - done_before} requests unfinished: all "
             f"{len(jobs)} completed equal {time.monotonic() - killed_at:.1f} s after the kill, "
             f"{health['target_restarts']} target restart(s)"
         )
         assert _rank_pid(handle) != old  # a new group serves
+        with pytest.raises(ProcessLookupError):  # the hung rank was killed, not left behind
+            wait_gone(old)
     finally:
+        if old is not None and sig == signal.SIGSTOP:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old, signal.SIGKILL)
         serve.delete(name)
+
+
+def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    """Raises ProcessLookupError once ``pid`` has exited (reaped), else returns after
+    ``timeout_s`` with it still there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        os.kill(pid, 0)
+        time.sleep(0.2)

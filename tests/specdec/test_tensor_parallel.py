@@ -191,6 +191,35 @@ def test_two_ranks_decode_what_the_whole_model_and_generate_do(name, family_mode
         assert child.exitcode == 0
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen2.5"])
+def test_a_split_draft_drafts_what_the_whole_draft_does(name, family_models):
+    """The draft split over two ranks (as a draft worker holds it: rank 0 of its own group,
+    no every-position logits) beside a whole target: speculative decoding gives the
+    target's greedy text, with the drafts the whole draft has accepted accepted again,
+    each draft pass one broadcast."""
+    target_dir, draft_dir, tok_dir = family_models[name]
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt = prompts(tokenizer)[1]
+    expected = reference(AutoModelForCausalLM.from_pretrained(target_dir), prompt, NEW_TOKENS)
+    target = ModelRunner(target_dir, **RUNNER)
+    limit = min(target.vocab_size, len(tokenizer))
+    whole = DraftModelProposer(ModelRunner(draft_dir, **RUNNER, verifies=False), vocab_limit=limit)
+    want = generate_speculative(target, whole, prompt, params, 4)
+    assert want.token_ids == expected and want.num_accepted > 0
+    with two_ranks(draft_dir, verifies=False) as (split, child):
+        counted = PassCounter(split)
+        proposer = DraftModelProposer(counted, vocab_limit=min(limit, split.vocab_size))
+        got = generate_speculative(ModelRunner(target_dir, **RUNNER), proposer, prompt, params, 4)
+        assert got.token_ids == expected
+        # (sums in another order: a near tie may flip a draft, not the text)
+        assert abs(got.num_accepted - want.num_accepted) <= 2, (got, want)
+        assert split.group.messages == counted.passes > 0
+        split.stop_followers()
+        child.join(30)
+        assert child.exitcode == 0
+
+
 def test_a_rank_that_dies_fails_the_next_pass(family_models):
     """Rank 1 is killed between two passes: rank 0's next pass raises (its sum has no peer)
     (at the latest when the group's timeout expires), instead of waiting for ever."""
