@@ -708,13 +708,14 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _adapted_draft_whole(self) -> AppConfig:
-        """New draft weights load into a whole draft only (a split one refuses them)."""
-        draft, adaptation = self.engine.draft, self.adaptation
-        adapts = adaptation.retention.enabled and adaptation.enabled
-        if adapts and draft is not None and draft.tensor_parallel_size > 1:
+        """New draft weights load into a whole draft only (a split one refuses them). With
+        retention on, the adaptation deployment runs, and its runs (enabled at run time)
+        or a rollback publish new versions: refused with a split draft, even when off."""
+        draft = self.engine.draft
+        if self.adaptation.retention.enabled and draft and draft.tensor_parallel_size > 1:
             raise ValueError(
-                "adaptation (retention.enabled and enabled) with draft.tensor_parallel_size "
-                "> 1: adapted weights load into a whole draft only; keep the draft on one "
-                "device to adapt it"
+                "adaptation.retention.enabled with draft.tensor_parallel_size > 1: adapted "
+                "weights load into a whole draft only; keep the draft on one device to adapt "
+                "it, or leave retention off"
             )
         return self

@@ -58,6 +58,21 @@ MIRRORED = frozenset(
 DEFERRED = frozenset({"add", "free", "fork", "rename", "rollback", "advance", "end_steps"})
 
 
+def _moved(value: Any, device: torch.device | str) -> Any:
+    """``value`` with every tensor in it (in tuples, lists and dicts too) on ``device``: a
+    call's tensors (a draft's token ids on its device) cross between ranks through host
+    memory, and each rank puts them on its own device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
+        return type(value)(*(_moved(v, device) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
+
+
 @dataclass(frozen=True)
 class RankCall:
     """One runner call, as rank 0 broadcasts it before running it itself."""
@@ -225,9 +240,11 @@ class MirroredRunner:
             if name in DEFERRED:  # here first: one that raises changed nothing, is not sent
                 result = attr(*args, **kwargs)
                 # (a copy: the caller may change a list it passed before the next pass)
-                self._pending.append(RankCall(name, copy.deepcopy(args), copy.deepcopy(kwargs)))
+                args, kwargs = copy.deepcopy(args), copy.deepcopy(kwargs)
+                self._pending.append(RankCall(name, _moved(args, "cpu"), _moved(kwargs, "cpu")))
                 return result
-            calls, self._pending = (*self._pending, RankCall(name, args, kwargs)), []
+            sent = RankCall(name, _moved(args, "cpu"), _moved(kwargs, "cpu"))  # (via the host)
+            calls, self._pending = (*self._pending, sent), []
             try:
                 self._group.broadcast(calls)
                 return attr(*args, **kwargs)
@@ -278,7 +295,8 @@ def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None 
             if call.method not in MIRRORED:
                 raise ValueError(f"rank {group.rank}: {call.method!r} is not a mirrored call")
             try:
-                getattr(runner, call.method)(*call.args, **call.kwargs)
+                args, kwargs = _moved(call.args, runner.device), _moved(call.kwargs, runner.device)
+                getattr(runner, call.method)(*args, **kwargs)
                 raised = False
             except Exception:
                 logger.exception("rank %d: %s raised", group.rank, call.method)

@@ -758,6 +758,7 @@ class EngineClient:
             return
         self._draft_restarting = asyncio.current_task()
         dead, self.draft, self.draft_info = self.draft, None, {}
+        self._draft_kv = self._draft_tp = None  # (the dead draft's figures)
         failures = 0
         try:
             with contextlib.suppress(Exception):  # a dead target is the poller's business
@@ -774,9 +775,11 @@ class EngineClient:
                     await self._connect(self.target, actor, info)
                 except asyncio.CancelledError:
                     ray.kill(actor, no_restart=True)
+                    self.launcher.kill_ranks("draft")
                     raise
                 except Exception as exc:
                     ray.kill(actor, no_restart=True)
+                    self.launcher.kill_ranks("draft")  # (a split draft's: theirs too)
                     failures += 1
                     delay = self._backoff(failures)
                     logger.warning(

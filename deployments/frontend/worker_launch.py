@@ -112,8 +112,7 @@ class WorkerLauncher:
         killed first. Its worker (the core, the draft worker) joins them as it loads."""
         cfg = self.config
         spec, resources = getattr(cfg, role), getattr(cfg, f"{role}_resources")
-        for old in self._ranks[role]:  # a replaced worker's: dead with it, or hung in a pass
-            ray.kill(old, no_restart=True)
+        self.kill_ranks(role)  # a replaced worker's: dead with it, or hung in a pass
         p = self.placement
         bundles = p.rank_bundles if role == "target" else p.draft_rank_bundles
         if self.pg is None:
@@ -136,6 +135,12 @@ class WorkerLauncher:
             for rank, bundle_index in enumerate(bundles, start=1)
         ]
         return self._ranks[role]
+
+    def kill_ranks(self, role: str) -> None:
+        """End the role's current ranks (a draft that failed to start leaves its own)."""
+        for old in self._ranks[role]:
+            ray.kill(old, no_restart=True)
+        self._ranks[role] = []
 
     def _kv_slots(self, role: str) -> int:
         """The KV slots the role's worker loads its runner with (a draft actor's hold its

@@ -59,7 +59,9 @@ class DraftWorker:
     (only the missing steps on the critical path) and pushed with the message's reply.
     """
 
-    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1}
+    # "stats" apart: a split draft's stats wait (bounded) for its ranks' answers, which must
+    # not hold up the round messages and weights that "io" serves.
+    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"io": 2, "watch": 1, "stats": 1}
 
     def __init__(self, config: DraftWorkerConfig):
         self.spec = ModelSpec.model_validate(config.spec)
@@ -203,7 +205,7 @@ class DraftWorker:
         with self._cv:
             return self.weights.offer(version, weights, timeout_s, lambda: self.error)
 
-    @ray.method(concurrency_group="io")
+    @ray.method(concurrency_group="stats")
     def stats(self) -> dict[str, Any]:
         return {
             "hits": self.drafter.hits,

@@ -100,6 +100,7 @@ class DraftRounds:
                 else:
                     drafter.commit(sid, item.new_token_ids)
             except Exception as exc:  # this sequence alone: it goes on target-only
+                self._raise_if_group_failed()
                 lost.append(self.give_up(sid, exc))
                 continue
             if item.num_speculative_tokens > 0:
@@ -127,6 +128,7 @@ class DraftRounds:
         try:
             return list(zip(ids, self.drafter.propose(ids, ks), strict=True))
         except Exception:
+            self._raise_if_group_failed()
             logger.exception("batched drafting failed; retrying each sequence alone")
         done = []
         for sid, k in zip(ids, ks, strict=True):
@@ -137,9 +139,17 @@ class DraftRounds:
                 self.drafter.add(sid, tokens, params, len(seq.prompt_token_ids))
                 done.append((sid, self.drafter.propose([sid], [k])[0]))
             except Exception as exc:
+                self._raise_if_group_failed()
                 lost.append(self.give_up(sid, exc))
         return done
 
+    def _raise_if_group_failed(self) -> None:
+        """Re-raise the failure in hand where it broke a split draft's group
+        (:class:`specdec.rank_group.MirroredRunner` ``broken``): no row can be drafted here
+        again, and a row given up now would stay target-only after the worker's
+        replacement; the worker exits instead (see DraftWorker._exit_with_group)."""
+        if getattr(self.drafter.proposer.runner, "broken", False):
+            raise
     def give_up(self, sid: Hashable, exc: BaseException) -> PushedDraft:
         """Drafting ``sid`` failed: free it and tell the core to decode it target-only
         (a draft-side fault of one request must not end the loop that serves all)."""

@@ -296,6 +296,8 @@ def test_a_split_draft_gets_a_bundle_per_rank_after_the_targets():
     assert all(p.bundles[i] == p.bundles[p.draft_bundle] for i in p.draft_rank_bundles)
     whole = placement_for(cfg(target={"model": "t", "tensor_parallel_size": 2}))
     assert whole.draft_rank_bundles == ()
+    whole_target = placement_for(cfg(draft={"model": "d", "tensor_parallel_size": 2}))
+    assert (whole_target.rank_bundles, whole_target.draft_rank_bundles) == ((), (3,))
 
 
 @pytest.mark.parametrize(
@@ -303,7 +305,7 @@ def test_a_split_draft_gets_a_bundle_per_rank_after_the_targets():
     [
         ({"draft_placement": "colocated"}, "draft_placement 'colocated'"),
         ({"placement_strategy": "SPREAD"}, "draft.tensor_parallel_size > 1 keeps"),
-        ({"placement_strategy": "STRICT_SPREAD"}, "STRICT_SPREAD"),
+        ({"placement_strategy": "STRICT_SPREAD"}, "draft.tensor_parallel_size > 1 keeps"),
         ({"draft_resources": {"num_gpus": 0.5}}, "draft_resources.num_gpus"),
         (
             {"draft": {"model": "d", "tensor_parallel_size": 2, "execution_mode": "torch_compile"}},
@@ -320,11 +322,13 @@ def test_split_draft_refusals_name_the_field(bad, field):
 def test_an_adapted_draft_stays_whole():
     engine = {"target": {"model": "t"}, "draft": {"model": "d", "tensor_parallel_size": 2}}
     AppConfig.model_validate({"engine": engine})  # (no retention, no adaptation: fine)
-    adapting = {"retention": {"enabled": True}}
-    with pytest.raises(ValidationError, match=r"adaptation \(retention.enabled and enabled\)"):
-        AppConfig.model_validate({"engine": engine, "adaptation": adapting})
-    adapting["enabled"] = False  # (requests kept, runs off: nothing loads into the draft)
-    AppConfig.model_validate({"engine": engine, "adaptation": adapting})
+    for adapting in (
+        {"retention": {"enabled": True}},
+        {"retention": {"enabled": True}, "enabled": False},
+    ):
+        # (runs off still deploy a rollback, and may be turned on at run time)
+        with pytest.raises(ValidationError, match=r"adaptation\.retention\.enabled with draft"):
+            AppConfig.model_validate({"engine": engine, "adaptation": adapting})
 
 
 @pytest.mark.parametrize(

@@ -194,9 +194,9 @@ def test_two_ranks_decode_what_the_whole_model_and_generate_do(name, family_mode
 @pytest.mark.parametrize("name", ["llama3", "qwen2.5"])
 def test_a_split_draft_drafts_what_the_whole_draft_does(name, family_models):
     """The draft split over two ranks (as a draft worker holds it: rank 0 of its own group,
-    no every-position logits) beside a whole target: speculative decoding gives the
-    target's greedy text, with the drafts the whole draft has accepted accepted again,
-    each draft pass one broadcast."""
+    no every-position logits): alone it decodes the whole draft's greedy tokens, and
+    beside a whole target speculative decoding gives the target's greedy text, with about
+    the drafts the whole draft had accepted accepted again, each draft pass one broadcast."""
     target_dir, draft_dir, tok_dir = family_models[name]
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -204,17 +204,21 @@ def test_a_split_draft_drafts_what_the_whole_draft_does(name, family_models):
     expected = reference(AutoModelForCausalLM.from_pretrained(target_dir), prompt, NEW_TOKENS)
     target = ModelRunner(target_dir, **RUNNER)
     limit = min(target.vocab_size, len(tokenizer))
-    whole = DraftModelProposer(ModelRunner(draft_dir, **RUNNER, verifies=False), vocab_limit=limit)
-    want = generate_speculative(target, whole, prompt, params, 4)
+    whole_draft = ModelRunner(draft_dir, **RUNNER, verifies=False)
+    drafts_alone = generate_autoregressive(whole_draft, prompt, params).token_ids
+    want = generate_speculative(
+        target, DraftModelProposer(whole_draft, vocab_limit=limit), prompt, params, 4
+    )
     assert want.token_ids == expected and want.num_accepted > 0
     with two_ranks(draft_dir, verifies=False) as (split, child):
-        counted = PassCounter(split)
+        assert generate_autoregressive(split, prompt, params).token_ids == drafts_alone
+        counted, before = PassCounter(split), split.group.messages
         proposer = DraftModelProposer(counted, vocab_limit=min(limit, split.vocab_size))
         got = generate_speculative(ModelRunner(target_dir, **RUNNER), proposer, prompt, params, 4)
         assert got.token_ids == expected
         # (sums in another order: a near tie may flip a draft, not the text)
         assert abs(got.num_accepted - want.num_accepted) <= 2, (got, want)
-        assert split.group.messages == counted.passes > 0
+        assert split.group.messages - before == counted.passes > 0
         split.stop_followers()
         child.join(30)
         assert child.exitcode == 0
