@@ -150,6 +150,7 @@ class DraftRounds:
         replacement; the worker exits instead (see DraftWorker._exit_with_group)."""
         if getattr(self.drafter.proposer.runner, "broken", False):
             raise
+
     def give_up(self, sid: Hashable, exc: BaseException) -> PushedDraft:
         """Drafting ``sid`` failed: free it and tell the core to decode it target-only
         (a draft-side fault of one request must not end the loop that serves all)."""
