@@ -27,7 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 # What the model specs of tests about other things than compiled execution carry: eager
 # forwards (the reference), so that a replica starts in seconds. The compiled path has its
 # own tests (tests/specdec/test_compiled.py, tests/deployments/test_warm_up.py), and the
-# shipped demo.yaml runs it as users get it (tests/clients/, test_deploy_shapes.py).
+# shipped demo.yaml's engine runs it as users get it (tests/clients/).
 EAGER = {"execution_mode": "eager"}
 VOCAB = 96
 ROOT = Path(__file__).resolve().parents[1]

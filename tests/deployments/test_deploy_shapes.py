@@ -4,9 +4,9 @@ one that offers a ``draft`` resource), with the shape it ships: its placement st
 custom resources, GPUs replaced by the custom resource of the node they stand for.
 
 For each of ``cluster/serve/*.yaml`` and the KubeRay manifest's ``serveConfigV2``: the app
-becomes RUNNING and answers a completion (``demo.yaml`` as it ships, compiled and drafting,
-as ``make serve`` deploys it; the others with eager models, being about placement); the
-replica reserves exactly the engine's resources and the target and draft workers their own;
+becomes RUNNING and answers a completion (with eager models: this test is about placement;
+``demo.yaml``'s engine as shipped, compiled, serves the client tests); the replica reserves
+exactly the engine's resources and the target and draft workers their own;
 each worker runs on the node its resources name, and STRICT_SPREAD puts draft and target on
 different nodes.
 """
@@ -57,10 +57,9 @@ def local_resources(res: dict[str, Any], role: str | None, max_cpus: float) -> d
     return out
 
 
-def local_shape(config: dict[str, Any], port: int, shipped: bool = False) -> dict[str, Any]:
+def local_shape(config: dict[str, Any], port: int) -> dict[str, Any]:
     """The config as a user would adapt it to this machine: the demo pair instead of the
-    hub models, GPUs as custom resources, one replica and small batches, free ports.
-    ``shipped``: only the ports change (a config of the demo pair for this machine)."""
+    hub models, GPUs as custom resources, one replica and small batches, free ports."""
     config = copy.deepcopy(config)
     # Both local nodes share one host, so only one HTTP proxy can bind the port.
     config["proxy_location"] = "HeadOnly"
@@ -69,9 +68,8 @@ def local_shape(config: dict[str, Any], port: int, shipped: bool = False) -> dic
     args = app["args"]
     engine = args["engine"]
     args["monitoring"] = {**args.get("monitoring", {}), "prometheus_port": free_port()}
-    if shipped:
-        return config
-    # eager: these deployments are about placement (demo.yaml as shipped is compiled);
+    # eager: these deployments are about placement (demo.yaml's engine as shipped, compiled,
+    # serves the client tests: tests/clients/conftest.py);
     # a split target stays split (the demo target's 4 heads split over 2 or 4 ranks)
     ranks = engine["target"].get("tensor_parallel_size", 1)
     engine["target"] = {**DEMO_ENGINE["target"], **EAGER, "tensor_parallel_size": ranks}
@@ -194,34 +192,13 @@ def dashboard(two_node_cluster):
     return Dashboard(url, env)
 
 
-# demo.yaml as shipped: its graphs compile at startup, which on a loaded 2-core host can
-# take most of the suite's 600 s per test.
-SHIPPED = "demo.yaml"
-PARAMS = [
-    pytest.param(name, config, id=name, marks=[pytest.mark.timeout(1200)] * (name == SHIPPED))
-    for name, config in CONFIGS
-]
-
-
-def wait_warm(url: str, timeout_s: float = 900) -> None:
-    """Until /health no longer says ``warming`` (its graphs compiled or loaded)."""
-    deadline = time.monotonic() + timeout_s
-    status = None
-    while time.monotonic() < deadline:
-        status = httpx.get(f"{url}/health", timeout=30).json()["status"]
-        if status != "warming":
-            return
-        time.sleep(1.0)
-    raise AssertionError(f"/health still {status!r} after {timeout_s} s")
-
-
-@pytest.mark.parametrize(("name", "config"), PARAMS)
+@pytest.mark.parametrize(("name", "config"), CONFIGS, ids=[name for name, _ in CONFIGS])
 def test_committed_config_deploys_with_its_shape(
     two_node_cluster, dashboard, tmp_path, name, config
 ):
     _address, env, dashboard_url = two_node_cluster
     port = free_port()
-    local = local_shape(config, port, shipped=name == SHIPPED)
+    local = local_shape(config, port)
     (app,) = local["applications"]
     engine = app["args"]["engine"]
     path = tmp_path / name
@@ -230,11 +207,8 @@ def test_committed_config_deploys_with_its_shape(
     serve_cli(env, "deploy", str(path), "-a", dashboard_url, check=True)
     seconds["deploy"] = time.monotonic() - t0
     try:
-        # (the shipped demo's replica compiles its graphs before it is RUNNING)
-        dashboard.wait_running(app["name"], timeout_s=900 if name == SHIPPED else 400)
+        dashboard.wait_running(app["name"])
         seconds["running"] = time.monotonic() - t0
-        wait_warm(f"http://127.0.0.1:{port}")
-        seconds["warm"] = time.monotonic() - t0
         model = AppConfig.model_validate(app["args"]).engine.model_name
         r = httpx.post(
             f"http://127.0.0.1:{port}{app.get('route_prefix', '/').rstrip('/')}/v1/completions",
@@ -244,8 +218,6 @@ def test_committed_config_deploys_with_its_shape(
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] > 0
-        if name == SHIPPED:  # speculation as the user gets it: the shipped policy drafts
-            assert body["speculation"]["drafted"] > 0, body
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
         placed = placed_actors(dashboard, app["name"])
         seconds["answered"] = time.monotonic() - t0
