@@ -174,7 +174,6 @@ RAY_GROUPS = {
             "deployments/test_families_http.py",  # ~1030 s
             "deployments/test_http.py",  # ~350 s
             "deployments/test_serve_engine.py",  # ~140 s
-            "clients/test_vllm_bench_replay.py",  # ~10 s
         )
     ),
     # with the local cluster's files, first
@@ -185,6 +184,7 @@ RAY_GROUPS = {
             "clients/test_aiperf.py",  # ~290 s; a client against its fixture's server
             "clients/test_guidellm.py",  # ~50 s
             "clients/test_lm_eval.py",  # ~50 s
+            "clients/test_vllm_bench_replay.py",  # ~10 s (the client tests' server: here)
             "deployments/test_tensor_parallel_serve.py",  # ~240 s
             "monitoring/test_drift_e2e.py",  # ~250-600 s; Prometheus and Alertmanager
         )

@@ -68,6 +68,8 @@ def local_shape(config: dict[str, Any], port: int) -> dict[str, Any]:
     args = app["args"]
     engine = args["engine"]
     args["monitoring"] = {**args.get("monitoring", {}), "prometheus_port": free_port()}
+    if not args.get("adaptation", {}).get("retention", {}).get("enabled"):
+        args["monitoring"]["enabled"] = False  # (a process fewer; adaptation needs it)
     # eager: these deployments are about placement (demo.yaml's engine as shipped, compiled,
     # serves the client tests: tests/clients/conftest.py);
     # a split target stays split (the demo target's 4 heads split over 2 or 4 ranks)

@@ -200,7 +200,7 @@ def test_losing_the_drafts_node_serves_target_only_until_a_draft_node_returns(ap
     assert all(o.body["speculation"]["drafted"] > 0 for o in reference.values())
     figures: dict[str, Any] = {}
     try:
-        outcomes, lost_at = under_load(url, work * 5, 12, lambda: cluster("stop-node", "draft"))
+        outcomes, lost_at = under_load(url, work * 3, 12, lambda: cluster("stop-node", "draft"))
         figures["requests"] = len(outcomes)
         figures["in_flight_at_loss"] = sum(o.started < lost_at < o.ended for o in outcomes)
         figures["failed"] = sum(o.status != 200 for o in outcomes)
@@ -261,7 +261,7 @@ def test_losing_a_replicas_node_fails_its_requests_retryably_and_the_replica_ret
         reference = {p: text(complete(http, url, p)) for p in work}
     figures: dict[str, Any] = {}
     try:
-        outcomes, lost_at = under_load(url, work * 8, 12, lambda: cluster("stop-node", "replica-b"))
+        outcomes, lost_at = under_load(url, work * 4, 12, lambda: cluster("stop-node", "replica-b"))
         failed = [o for o in outcomes if o.status != 200]
         figures["requests"], figures["failed"] = len(outcomes), len(failed)
         figures["failed_statuses"] = sorted({str(o.status) for o in failed})

@@ -164,6 +164,10 @@ def drift_app(serve_http):
                     # probe rounds bring evidence of its recovery: the shortest period
                     # allowed, so that the resolve needs the fewest rounds in all.
                     "policy_probe_every": 8,
+                    # The gate keeps drafting at 2+ sequences only where it measures 10 %
+                    # faster: on a loaded host it closed, no round drafted, and the detector
+                    # never learnt its baseline (CI). This test is about k per domain.
+                    "policy_gate": False,
                 },
                 "scheduler": {"max_num_seqs": 8},
             },
