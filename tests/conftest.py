@@ -15,11 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-# Inductor compiles in this process, not in a pool of compile worker processes that each
-# import torch again: on two cores a pool adds processes to start, not speed. Set before
-# torch is imported; the Ray workers the tests start inherit it.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch
 
 # Where no GPU runs Triton, its interpreter runs specdec.slot_attention's kernels on the
