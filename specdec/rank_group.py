@@ -18,6 +18,7 @@ whoever owns it replaces it whole. gloo on CPU, NCCL on GPU.
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import pickle
 import socket
@@ -58,19 +59,19 @@ MIRRORED = frozenset(
 DEFERRED = frozenset({"add", "free", "fork", "rename", "rollback", "advance", "end_steps"})
 
 
-def _moved(value: Any, device: torch.device | str) -> Any:
-    """``value`` with every tensor in it (in tuples, lists and dicts too) on ``device``: a
-    call's tensors (a draft's token ids on its device) cross between ranks through host
-    memory, and each rank puts them on its own device."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
-        return type(value)(*(_moved(v, device) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_moved(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _moved(v, device) for k, v in value.items()}
+def _as_is(value: Any) -> Any:
     return value
+
+
+class _HostPickler(pickle.Pickler):
+    """Pickles a call's device tensors (a draft step's token ids) as host tensors: another
+    rank's device is not this one's, and the runner's calls take host tensors (each rank
+    moves them to its own device). Only tensors are touched, nothing else is walked."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return _as_is, (obj.cpu(),)
+        return NotImplemented
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,10 @@ class RankGroup:
 
     def broadcast(self, calls: tuple[RankCall, ...]) -> None:
         """Rank 0: send ``calls`` (to be run in order) to every other rank in one message:
-        its size, then its pickled bytes."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(calls)), dtype=torch.uint8)
+        its size, then its pickled bytes (tensors in them as host tensors)."""
+        buffer = io.BytesIO()
+        _HostPickler(buffer).dump(calls)
+        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.long)
         self._broadcast(size, self._timeout)
         self._broadcast(payload, self._timeout)
@@ -240,11 +243,9 @@ class MirroredRunner:
             if name in DEFERRED:  # here first: one that raises changed nothing, is not sent
                 result = attr(*args, **kwargs)
                 # (a copy: the caller may change a list it passed before the next pass)
-                args, kwargs = copy.deepcopy(args), copy.deepcopy(kwargs)
-                self._pending.append(RankCall(name, _moved(args, "cpu"), _moved(kwargs, "cpu")))
+                self._pending.append(RankCall(name, copy.deepcopy(args), copy.deepcopy(kwargs)))
                 return result
-            sent = RankCall(name, _moved(args, "cpu"), _moved(kwargs, "cpu"))  # (via the host)
-            calls, self._pending = (*self._pending, sent), []
+            calls, self._pending = (*self._pending, RankCall(name, args, kwargs)), []
             try:
                 self._group.broadcast(calls)
                 return attr(*args, **kwargs)
@@ -295,8 +296,7 @@ def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None 
             if call.method not in MIRRORED:
                 raise ValueError(f"rank {group.rank}: {call.method!r} is not a mirrored call")
             try:
-                args, kwargs = _moved(call.args, runner.device), _moved(call.kwargs, runner.device)
-                getattr(runner, call.method)(*args, **kwargs)
+                getattr(runner, call.method)(*call.args, **call.kwargs)
                 raised = False
             except Exception:
                 logger.exception("rank %d: %s raised", group.rank, call.method)
