@@ -173,6 +173,17 @@ def test_an_adapter_run_ships_only_its_factors_to_the_replica(serve_engine, tiny
     for i in range(4):
         _finish(serve_engine, [80 + i, 61, 62, 63], "python", 8)
     _wait_for("retained", lambda: len(store.records.remote("python").result()) >= 4)
+
+    def watched() -> bool:
+        # Version 1's live check (the test before) ends on python rounds; a rollback it
+        # decided during this run would make the candidate's base stale (CI, 61515ad:
+        # "rejected", a newer version served). Python traffic until it has judged.
+        if any(v["watch"] == "watching" for v in store.versions.remote().result()):
+            _finish(serve_engine, [90, 61, 62, 63], "python", 8, k=3)
+            return False
+        return True
+
+    _wait_for("version 1 judged", watched, timeout_s=180)
     base = store.served_version.remote().result()
     _wait_for(
         "base served", lambda: serve_engine.health_info.remote().result()["draft_version"] == base
@@ -235,6 +246,11 @@ def test_a_bad_version_is_rolled_back_by_itself_and_an_operator_controls_version
     if store.served_version.remote().result() == 0:  # (run alone: a trained version first)
         _wait_for("retained", lambda: len(store.records.remote("python").result()) >= 4)
         assert store.adapt.remote("python").result()["outcome"] == "deployed"
+    # The reference is the draft as deployed (live alpha about 0.5 on these prompts): a
+    # trained version may serve worse (0.04 over a window, after the adapter test), and
+    # the wrecked version must fall 0.05 below its reference to be rolled back.
+    if store.versions.remote().result()[-1]["weights_of"] != 0:
+        store.rollback.remote(0, "the test's reference").result()
     # Traffic until the version served has live python rounds and no watch is pending
     # (a version trained with the verdict off may be rolled back itself meanwhile; a
     # rollback to version 0 first loads the checkpoint in a task: a worker to start).
