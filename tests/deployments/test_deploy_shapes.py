@@ -125,6 +125,26 @@ class Dashboard:
             time.sleep(0.5)
         raise AssertionError(f"{name} not RUNNING after {timeout_s} s: {app}")
 
+    def delete_apps(self, http_port: int, timeout_s: float = 120) -> None:
+        """Every app deleted (a declarative config without apps, as ``serve deploy`` sends
+        it), the controller and proxy kept for the next config: ``serve shutdown`` would
+        stop them, and each config would start them again."""
+        body = {
+            "proxy_location": "HeadOnly",
+            "http_options": {"host": "127.0.0.1", "port": http_port},
+            "applications": [],
+        }
+        self.http.put("/api/serve/applications/", json=body).raise_for_status()
+        deadline = time.monotonic() + timeout_s
+        while (apps := self._apps()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not apps, f"apps left after {timeout_s} s: {list(apps)}"
+
+    def _apps(self) -> dict[str, Any]:
+        r = self.http.get("/api/serve/applications/")
+        r.raise_for_status()
+        return r.json().get("applications") or {}
+
     def state(self, resource: str, **filters: str) -> list[dict[str, Any]]:
         """The state API (ray.util.state.list_*), detailed, filtered by equality."""
         params: dict[str, Any] = {"detail": True, "limit": 10_000}
@@ -194,12 +214,22 @@ def dashboard(two_node_cluster):
     return Dashboard(url, env)
 
 
+@pytest.fixture(scope="module")
+def serve_port(two_node_cluster):
+    """The HTTP port of the one Serve instance every config of this module deploys to
+    (a running proxy keeps its port); Serve is shut down after the last config, so that
+    the cluster's other tests start their own."""
+    _address, env, url = two_node_cluster
+    yield free_port()
+    serve_cli(env, "shutdown", "-y", "-a", url, check=False)
+
+
 @pytest.mark.parametrize(("name", "config"), CONFIGS, ids=[name for name, _ in CONFIGS])
 def test_committed_config_deploys_with_its_shape(
-    two_node_cluster, dashboard, tmp_path, name, config
+    two_node_cluster, dashboard, serve_port, tmp_path, name, config
 ):
     _address, env, dashboard_url = two_node_cluster
-    port = free_port()
+    port = serve_port
     local = local_shape(config, port)
     (app,) = local["applications"]
     engine = app["args"]["engine"]
@@ -224,7 +254,7 @@ def test_committed_config_deploys_with_its_shape(
         placed = placed_actors(dashboard, app["name"])
         seconds["answered"] = time.monotonic() - t0
     finally:
-        serve_cli(env, "shutdown", "-y", "-a", dashboard_url, check=False)
+        dashboard.delete_apps(port)
     seconds["deleted"] = time.monotonic() - t0
     print(name, json.dumps({"seconds": seconds, **placed}, indent=1))  # shown with -s
 
