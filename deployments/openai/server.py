@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.config import AppConfig
 from deployments.frontend.engine_client import EngineClient
@@ -116,7 +116,7 @@ def create_app(
     ``keys`` are the replica's API keys (none: the API is open)."""
     app = FastAPI(title="SpecServe", version="0.1.0", description=__doc__)
     add_error_handlers(app)
-    add_limits(app, config.max_body_bytes, replica_id)
+    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, replica_id=replica_id)
     # Added last, so outermost: a request's key is checked before anything reads its body.
     app.add_middleware(
         KeyGate, keys=keys, limiter=ConcurrencyLimiter(config.rate_limit_retry_after_s)
@@ -162,33 +162,71 @@ async def _http_error(_: Request, exc: StarletteHTTPException):
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
 
-def add_limits(app: FastAPI, max_body_bytes: int, replica_id: str) -> None:
-    """413 for a ``/v1/*`` body over ``max_body_bytes``; every response names its replica."""
+class RequestLimits:
+    """ASGI middleware: a 413 for a ``/v1/*`` body over ``max_body_bytes``, and every
+    response names its replica (``x-specserve-replica``).
 
-    @app.middleware("http")
-    async def _limits(request: Request, call_next):
-        if api_path(request.scope).startswith("/v1/") and await _body_too_large(
-            request, max_body_bytes
-        ):
-            return error_response(
-                413,
-                f"request body exceeds {max_body_bytes} bytes",
-                "invalid_request_error",
-                "body_too_large",
-            )
-        response = await call_next(request)
-        response.headers["x-specserve-replica"] = replica_id
-        return response
+    Plain ASGI rather than an ``@app.middleware("http")`` function: such a function runs
+    the app in a task of its own and relays a stream's body through a channel without a
+    buffer, so every event of a stream waits at a relay step outside the stream's
+    generator. A client that left then cancelled the stream there, the generator stayed
+    suspended, and its sequences kept generating until the garbage collector finalised it
+    (CI at 61515ad: a sequence still running 30 s after its client left)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, replica_id: str):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.header = (b"x-specserve-replica", replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        if api_path(scope).startswith("/v1/"):
+            too_large, receive = await self._body_too_large(scope, receive)
+            if too_large:
+                refusal = error_response(
+                    413,
+                    f"request body exceeds {self.max_body_bytes} bytes",
+                    "invalid_request_error",
+                    "body_too_large",
+                )
+                return await refusal(scope, receive, send_named)
+        await self.app(scope, receive, send_named)
+
+    async def _body_too_large(self, scope: Scope, receive: Receive) -> tuple[bool, Receive]:
+        """Whether the body exceeds the limit, by its length header; a chunked upload is
+        read up to the limit and handed on as read (the returned ``receive`` replays it)."""
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            return length.isdigit() and int(length) > self.max_body_bytes, receive
+        if scope["method"] != "POST":
+            return False, receive
+        chunks, size, more = [], 0, True
+        while more and size <= self.max_body_bytes:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees it
+                return False, _replay([message], receive)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+        if size > self.max_body_bytes:
+            return True, receive
+        return False, _replay([{"type": "http.request", "body": b"".join(chunks)}], receive)
 
 
-async def _body_too_large(request: Request, limit: int) -> bool:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit():
-        return int(length) > limit
-    if length is None and request.method == "POST":
-        body = await request.body()  # chunked upload: enforce the limit on what arrived
-        return len(body) > limit
-    return False
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """``receive`` that gives ``messages`` first, then what ``receive`` gives."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 # ----- routes --------------------------------------------------------------------------------

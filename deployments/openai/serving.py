@@ -19,8 +19,6 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from fastapi.responses import StreamingResponse
-
 from deployments.config import AppConfig
 from deployments.frontend.engine_client import (
     EngineClient,
@@ -32,7 +30,7 @@ from deployments.frontend.engine_client import (
 from deployments.openai.choices import MAX_CHOICES, Choice, start_choices, stop_choices, usage
 from deployments.openai.errors import bad_request, check_text, unavailable
 from deployments.openai.protocol import Health, SpeculationReport
-from deployments.openai.streaming import ResponseStream
+from deployments.openai.streaming import ClosingStreamingResponse, ResponseStream
 from monitoring.domains import DomainResolver
 from specdec.sampling import SamplingParams
 from specdec.stats import SpecCounts
@@ -291,7 +289,7 @@ class OpenAIServing:
         choices = self._choices(req, prompts, n)
         await self._start(choices, args, wait_all=not req.stream)  # errors become statuses
         if req.stream:
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self.stream_cls(self, req, rid, choices, args).events(),
                 media_type="text/event-stream",
             )

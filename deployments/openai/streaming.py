@@ -16,6 +16,10 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from deployments.frontend.engine_client import RequestOutput
 from deployments.openai.choices import Choice, stop_choices, usage
 from deployments.openai.errors import APIError, unavailable
@@ -43,6 +47,23 @@ def error_event(exc: Exception, rid: str) -> str:
         exc = unavailable(f"generation failed: {type(exc).__name__}", "engine_error")
     info = {"message": exc.message, "type": exc.type, "param": exc.param}
     return sse({"error": {**info, "code": exc.code}})
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streamed response that closes its body's generator however the response ended.
+
+    Starlette sends each event from a task of its own and stops that task when the client
+    leaves; a stop that lands while an event is being sent leaves the generator suspended
+    at its ``yield``, never closed: its sequences would keep generating until the garbage
+    collector finalised it. Closing it here (shielded from the cancellation that ended the
+    response) runs its ``finally`` now, which frees every choice's sequence."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 class ChoiceOutputs:
