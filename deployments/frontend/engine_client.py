@@ -513,7 +513,9 @@ class EngineClient:
         """Hand the request to the core (unless a replacement core will be given it)."""
         try:
             if not self._replacing_target:  # else the replacement starts it
-                await self._call(self.target.add_requests.remote([req.core_request()]))
+                req.adding = self.target.add_requests.remote([req.core_request()])
+                await self._call(req.adding)
+                req.adding = None
         except (RayActorError, asyncio.TimeoutError):
             pass  # the poller replaces the target and resumes every known request
         except Exception as exc:
@@ -525,7 +527,16 @@ class EngineClient:
         if not req.finished:
             req.finished = True
             self.aborted += 1
-            self._abort([req.request_id])
+            if req.adding is not None:  # left while being added: abort once it is
+                self._tasks = [t for t in self._tasks if not t.done()]
+                self._tasks.append(asyncio.ensure_future(self._abort_after(req.adding, req)))
+            else:
+                self._abort([req.request_id])
+
+    async def _abort_after(self, adding, req: RequestState) -> None:
+        with contextlib.suppress(Exception):
+            await self._call(adding)
+        self._abort([req.request_id])
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:
