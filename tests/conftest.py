@@ -203,6 +203,18 @@ def scope_of(path: str) -> str:
     return path
 
 
+# Files without Ray that take longest (compiles; durations of a loaded run), first among
+# the files that fill the workers once their Ray groups are done: a long file handed out
+# last would keep one worker busy while the other has nothing left.
+LONG_FILES = tuple(
+    "tests/" + name
+    for name in (
+        "specdec/test_compiled.py",  # ~710 s
+        "deployments/test_warm_up.py",  # ~250 s
+        "specdec/test_draft_steps.py",  # ~210 s
+    )
+)
+
 # Ray files whose tests run many processes of their own (a client's workers, Prometheus,
 # a second Serve app): late in their group.
 RAY_FILES_LATE = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.py")
@@ -210,15 +222,19 @@ RAY_FILES_LATE = ("tests/clients/", "test_bench_adaptation.py", "test_drift_e2e.
 
 def run_order(item) -> tuple[int, int]:
     """(group, order in it): the two Ray groups first, in that order (each worker starts
-    with one of them), then every other file. In a group: the tests of the local cluster
-    first (its nodes start while the other worker's group is still starting up: `ray
-    start` gives up on a raylet that takes 30 s to register, which a 2-core host under
-    two groups' load can exceed), then the rest, RAY_FILES_LATE last."""
-    scope = scope_of(file_of(item.nodeid))
-    group = list(RAY_GROUPS).index(scope) if scope in RAY_GROUPS else len(RAY_GROUPS)
+    with one of them), then every other file, LONG_FILES first. In a Ray group: the tests
+    of the local cluster first (its nodes start while the other worker's group is still
+    starting up: `ray start` gives up on a raylet that takes 30 s to register, which a
+    2-core host under two groups' load can exceed), then the rest, RAY_FILES_LATE last."""
+    path = file_of(item.nodeid)
+    scope = scope_of(path)
+    if scope not in RAY_GROUPS:  # LONG_FILES first, in their order, then the rest
+        rank = LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+        return len(RAY_GROUPS), rank
+    group = list(RAY_GROUPS).index(scope)
     if "two_node_cluster" in item.fixturenames:
         return group, 0
-    return group, 1 + any(f in file_of(item.nodeid) for f in RAY_FILES_LATE)
+    return group, 1 + any(f in path for f in RAY_FILES_LATE)
 
 
 def pytest_collection_modifyitems(config, items):
