@@ -515,11 +515,15 @@ class EngineClient:
             if not self._replacing_target:  # else the replacement starts it
                 req.adding = self.target.add_requests.remote([req.core_request()])
                 await self._call(req.adding)
-                req.adding = None
+        except asyncio.CancelledError:
+            raise  # its client left during the add: _end_request's abort waits for it
         except (RayActorError, asyncio.TimeoutError):
-            pass  # the poller replaces the target and resumes every known request
+            req.adding = None  # the poller replaces the target and resumes every request
         except Exception as exc:
+            req.adding = None
             raise EngineError(f"could not start the request: {exc}") from exc
+        else:
+            req.adding = None
 
     def _end_request(self, req: RequestState) -> None:
         """Forget the request; one that did not finish is aborted in the core."""
@@ -674,15 +678,21 @@ class EngineClient:
                 logger.warning("replacement target failed: %r", exc)
                 continue
             await self._reattach_draft()
-            live = [r.core_request() for r in self._requests.values() if not r.finished]
+            resumed = [r for r in self._requests.values() if not r.finished]
             self._replacing_target = False
             try:
-                if live:
-                    await self._call(self.target.add_requests.remote(live))
+                if resumed:
+                    adding = self.target.add_requests.remote([r.core_request() for r in resumed])
+                    for r in resumed:  # an abort meanwhile waits for this add
+                        r.adding = adding
+                    await self._call(adding)
             except Exception as exc:
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)
                 continue
+            finally:
+                for r in resumed:
+                    r.adding = None
             logger.info("target worker replaced (%d restarts)", self._target_restarts)
             return True
 

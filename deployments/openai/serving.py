@@ -289,9 +289,9 @@ class OpenAIServing:
         choices = self._choices(req, prompts, n)
         await self._start(choices, args, wait_all=not req.stream)  # errors become statuses
         if req.stream:
+            stream = self.stream_cls(self, req, rid, choices, args)
             return ClosingStreamingResponse(
-                self.stream_cls(self, req, rid, choices, args).events(),
-                media_type="text/event-stream",
+                stream.events(), media_type="text/event-stream", on_close=stream.close
             )
         return await self._whole(rid, choices, args)
 

@@ -56,14 +56,29 @@ class ClosingStreamingResponse(StreamingResponse):
     leaves; a stop that lands while an event is being sent leaves the generator suspended
     at its ``yield``, never closed: its sequences would keep generating until the garbage
     collector finalised it. Closing it here (shielded from the cancellation that ended the
-    response) runs its ``finally`` now, which frees every choice's sequence."""
+    response) runs its ``finally`` now; ``on_close`` then frees what a body that never
+    started holds (a generator closed before its first step runs no ``finally``)."""
+
+    def __init__(self, content, *, on_close=None, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close  # async callable, or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                await self._close()
+
+    async def _close(self) -> None:
+        try:  # (an error here must not hide the one that ended the response)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self.on_close is not None:
+                await self.on_close()
+        except Exception:
+            logger.exception("closing a streamed response failed")
 
 
 class ChoiceOutputs:
@@ -86,8 +101,10 @@ class ChoiceOutputs:
         return c, item
 
     async def close(self) -> None:
-        """Stop pumping and free every choice's sequence (also those never started)."""
-        await stop_choices(self.tasks, self.choices)
+        """Stop pumping and free every choice's sequence (also those never started), to
+        the end even if the response is being cancelled again meanwhile."""
+        with anyio.CancelScope(shield=True):
+            await stop_choices(self.tasks, self.choices)
 
     async def _pump(self, c: Choice) -> None:
         try:
@@ -122,6 +139,11 @@ class ResponseStream:
         # carries a choice: that choice's prompt and the tokens it has generated so far.
         self.continuous = self.include_usage and bool(req.stream_options.continuous_usage_stats)
         self.lasts: dict[int, Any] = {c.index: c.first for c in choices}
+
+    async def close(self) -> None:
+        """Free every choice's sequence: for a response closed before its body started
+        (its first choice's began before the response did)."""
+        await ChoiceOutputs(self.choices).close()
 
     async def events(self) -> AsyncIterator[str]:
         outputs = ChoiceOutputs(self.choices)

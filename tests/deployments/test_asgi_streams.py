@@ -48,23 +48,23 @@ def http_scope(path="/v1/stream", method="GET", headers=()):
     }
 
 
-async def cancelled_mid_send(app, scope, body: Body, receive=None):
-    """Run ``app`` until it waits in its second body send (a slow client), then cancel it
-    as Serve does when the client leaves; returns the messages sent and whether ``body``
-    was closed by then (read before ``asyncio.run`` ends, which closes every generator
-    left open)."""
+async def cancelled_mid_send(app, scope, body: Body, block_at=3):
+    """Run ``app`` until it waits in its ``block_at``-th send (a slow client; 3: the second
+    event), then cancel it as Serve does when the client leaves; returns the messages sent
+    and whether ``body`` was closed by then (read before ``asyncio.run`` ends, which closes
+    every generator left open)."""
     sent, blocked = [], asyncio.Event()
 
     async def send(message):
         sent.append(message)
-        if message["type"] == "http.response.body" and len(sent) > 2:
+        if len(sent) == block_at:
             blocked.set()
             await asyncio.Event().wait()  # never returns: the client reads no more
 
     async def no_disconnect():
         await asyncio.Event().wait()
 
-    task = asyncio.create_task(app(scope, receive or no_disconnect, send))
+    task = asyncio.create_task(app(scope, no_disconnect, send))
     await asyncio.wait_for(blocked.wait(), 10)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -90,6 +90,19 @@ def test_a_stream_cancelled_while_sending_closes_its_body_now(cls, no_gc):
     response = cls(body.events(), media_type="text/event-stream")
     _, closed = asyncio.run(cancelled_mid_send(response, http_scope(), body))
     assert closed is (cls is ClosingStreamingResponse)
+
+
+def test_a_stream_cancelled_before_its_body_started_frees_through_on_close(no_gc):
+    """Cancelled in the response's first send: the body never ran (closing a generator
+    that never started runs no ``finally``), so ``on_close`` frees what it would have."""
+    body, freed = Body(), []
+
+    async def on_close():
+        freed.append(True)
+
+    response = ClosingStreamingResponse(body.events(), on_close=on_close)
+    asyncio.run(cancelled_mid_send(response, http_scope(), body, block_at=1))
+    assert freed == [True] and not body.closed
 
 
 def limited_app(body: Body, limit=64) -> FastAPI:
