@@ -513,17 +513,11 @@ class EngineClient:
         """Hand the request to the core (unless a replacement core will be given it)."""
         try:
             if not self._replacing_target:  # else the replacement starts it
-                req.adding = self.target.add_requests.remote([req.core_request()])
-                await self._call(req.adding)
-        except asyncio.CancelledError:
-            raise  # its client left during the add: _end_request's abort waits for it
+                await self._call(self.target.add_requests.remote([req.core_request()]))
         except (RayActorError, asyncio.TimeoutError):
-            req.adding = None  # the poller replaces the target and resumes every request
+            pass  # the poller replaces the target and resumes every known request
         except Exception as exc:
-            req.adding = None
             raise EngineError(f"could not start the request: {exc}") from exc
-        else:
-            req.adding = None
 
     def _end_request(self, req: RequestState) -> None:
         """Forget the request; one that did not finish is aborted in the core."""
@@ -531,16 +525,7 @@ class EngineClient:
         if not req.finished:
             req.finished = True
             self.aborted += 1
-            if req.adding is not None:  # left while being added: abort once it is
-                self._tasks = [t for t in self._tasks if not t.done()]
-                self._tasks.append(asyncio.ensure_future(self._abort_after(req.adding, req)))
-            else:
-                self._abort([req.request_id])
-
-    async def _abort_after(self, adding, req: RequestState) -> None:
-        with contextlib.suppress(Exception):
-            await self._call(adding)
-        self._abort([req.request_id])
+            self._abort([req.request_id])
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:
@@ -678,21 +663,15 @@ class EngineClient:
                 logger.warning("replacement target failed: %r", exc)
                 continue
             await self._reattach_draft()
-            resumed = [r for r in self._requests.values() if not r.finished]
+            live = [r.core_request() for r in self._requests.values() if not r.finished]
             self._replacing_target = False
             try:
-                if resumed:
-                    adding = self.target.add_requests.remote([r.core_request() for r in resumed])
-                    for r in resumed:  # an abort meanwhile waits for this add
-                        r.adding = adding
-                    await self._call(adding)
+                if live:
+                    await self._call(self.target.add_requests.remote(live))
             except Exception as exc:
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)
                 continue
-            finally:
-                for r in resumed:
-                    r.adding = None
             logger.info("target worker replaced (%d restarts)", self._target_restarts)
             return True
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from deployments.frontend.detokenizer import IncrementalDetokenizer
 from deployments.messages import EngineCoreRequest, TokenLogprob
@@ -67,9 +66,6 @@ class RequestState:
     method: str = "draft_model"  # the proposer ("ngram": the core drafts by lookup)
     auto_method: bool = False  # the proposer choice picks it per round
     output_kind: str = "delta"  # when the core publishes its tokens (messages.OutputKind)
-    # The core's add_requests call for it while that may still be running (None after):
-    # an abort waits for it (the core's control calls run on two threads, in any order).
-    adding: Any = None
 
     def core_request(self) -> EngineCoreRequest:
         """What the core needs to start, or resume, this request."""
