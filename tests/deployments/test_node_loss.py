@@ -266,9 +266,12 @@ def test_losing_a_replicas_node_fails_its_requests_retryably_and_the_replica_ret
         figures["requests"], figures["failed"] = len(outcomes), len(failed)
         figures["failed_statuses"] = sorted({str(o.status) for o in failed})
         figures["slowest_failure_s"] = round(max((o.ended - lost_at for o in failed), default=0), 1)
-        # The lost replica had requests in flight (6 clients, 2 replicas), and every one of
-        # them failed in a way a client retries, promptly after the loss.
-        assert failed, figures
+        # Requests were in flight at the loss (6 clients, 2 replicas). Those of the lost
+        # replica fail in a way a client retries, promptly; or Serve finished them (a
+        # clean run at 272d0d4: 48 of 48 answered 200, the proxy having logged the lost
+        # actor for 3 of them), in which case their text is checked as any other's below.
+        figures["in_flight_at_loss"] = sum(o.started < lost_at < o.ended for o in outcomes)
+        assert figures["in_flight_at_loss"] > 0, figures
         for o in failed:
             assert o.status is None or o.status in RETRYABLE, (o.status, o.body)
             assert o.ended - lost_at < 30, (o.ended - lost_at, o.body)
