@@ -254,8 +254,10 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=run_order)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """The local cluster stops once the last of its tests (they run in a row) is done."""
+    """The local cluster stops once the last of its tests (they run in a row) is done,
+    after that test's fixtures are torn down (they may still use the cluster)."""
     if "two_node_cluster" in item.fixturenames and (
         nextitem is None or "two_node_cluster" not in nextitem.fixturenames
     ):
