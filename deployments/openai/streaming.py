@@ -142,8 +142,8 @@ class ResponseStream:
 
     async def close(self) -> None:
         """Free every choice's sequence: for a response closed before its body started
-        (its first choice's began before the response did)."""
-        await ChoiceOutputs(self.choices).close()
+        (its first choice's began before the response did; no pumps ran)."""
+        await stop_choices([], self.choices)
 
     async def events(self) -> AsyncIterator[str]:
         outputs = ChoiceOutputs(self.choices)

@@ -109,10 +109,14 @@ class Dashboard:
             base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30
         )
 
-    def app_status(self, name: str) -> dict[str, Any]:
+    def apps(self) -> dict[str, Any]:
+        """Serve's applications by name, with their status."""
         r = self.http.get("/api/serve/applications/")
         r.raise_for_status()
-        return (r.json().get("applications") or {}).get(name, {})
+        return r.json().get("applications") or {}
+
+    def app_status(self, name: str) -> dict[str, Any]:
+        return self.apps().get(name, {})
 
     def wait_running(self, name: str, timeout_s: float = 400) -> None:
         deadline = time.monotonic() + timeout_s
@@ -136,14 +140,9 @@ class Dashboard:
         }
         self.http.put("/api/serve/applications/", json=body).raise_for_status()
         deadline = time.monotonic() + timeout_s
-        while (apps := self._apps()) and time.monotonic() < deadline:
+        while (apps := self.apps()) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not apps, f"apps left after {timeout_s} s: {list(apps)}"
-
-    def _apps(self) -> dict[str, Any]:
-        r = self.http.get("/api/serve/applications/")
-        r.raise_for_status()
-        return r.json().get("applications") or {}
 
     def state(self, resource: str, **filters: str) -> list[dict[str, Any]]:
         """The state API (ray.util.state.list_*), detailed, filtered by equality."""

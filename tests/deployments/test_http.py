@@ -440,8 +440,9 @@ def test_client_disconnect_frees_sequence(base_url, extra, choices):
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break  # leave after the first piece of text
     # In CI (61515ad) neither case had freed its sequence after 30 s, though the replica
-    # had ended the request 0.2 s after the proxy saw the client leave; the figures say
-    # which step lagged (the abort's count, the core's running rows, their age).
+    # had ended the request 0.2 s after the proxy saw the client leave (the body's
+    # generator was left open: deployments/openai/streaming.py ClosingStreamingResponse);
+    # the figures say which step lagged (the abort's count, the core's running rows).
     deadline = time.monotonic() + 90
     states = replica_health()
     while time.monotonic() < deadline and (

@@ -74,6 +74,11 @@ def complete(http: httpx.Client, url: str, prompt: str) -> Outcome:
     return Outcome(prompt, t0, time.monotonic(), r.status_code, body)
 
 
+def in_flight_at(outcomes: list[Outcome], at: float) -> int:
+    """How many requests were sent before ``at`` and ended after it."""
+    return sum(o.started < at < o.ended for o in outcomes)
+
+
 def text(outcome: Outcome) -> str:
     assert outcome.status == 200, (outcome.status, outcome.body)
     return outcome.body["choices"][0]["text"]
@@ -202,7 +207,7 @@ def test_losing_the_drafts_node_serves_target_only_until_a_draft_node_returns(ap
     try:
         outcomes, lost_at = under_load(url, work * 3, 12, lambda: cluster("stop-node", "draft"))
         figures["requests"] = len(outcomes)
-        figures["in_flight_at_loss"] = sum(o.started < lost_at < o.ended for o in outcomes)
+        figures["in_flight_at_loss"] = in_flight_at(outcomes, lost_at)
         figures["failed"] = sum(o.status != 200 for o in outcomes)
         figures["differ"] = sum(text(o) != text(reference[o.prompt]) for o in outcomes)
         assert figures["in_flight_at_loss"] > 0, figures
@@ -270,7 +275,7 @@ def test_losing_a_replicas_node_fails_its_requests_retryably_and_the_replica_ret
         # replica fail in a way a client retries, promptly; or Serve finished them (a
         # clean run at 272d0d4: 48 of 48 answered 200, the proxy having logged the lost
         # actor for 3 of them), in which case their text is checked as any other's below.
-        figures["in_flight_at_loss"] = sum(o.started < lost_at < o.ended for o in outcomes)
+        figures["in_flight_at_loss"] = in_flight_at(outcomes, lost_at)
         assert figures["in_flight_at_loss"] > 0, figures
         for o in failed:
             assert o.status is None or o.status in RETRYABLE, (o.status, o.body)
