@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CLIENTS := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 
-.PHONY: serve test lint down clean bench-peers bench-serve monitoring-tools observe clients
+.PHONY: serve test test-deps lint down clean bench-peers bench-serve monitoring-tools observe clients
 
 # Create the virtualenv and install the project (+ dev tools) once; reinstall when
 # pyproject.toml changes. torch==2.13.0 resolves to the CPU wheel on our machines.
@@ -47,9 +47,14 @@ monitoring-tools:
 		$(APT_INSTALL) $$missing || { $(SUDO) apt-get update && $(APT_INSTALL) $$missing; }; \
 	fi
 
-test: $(STAMP) $(CLIENTS_STAMP) monitoring-tools
+# The three installs are independent (two virtualenvs, apt): made side by side, as the
+# first `make test` on a fresh machine spends most of its install time waiting on one.
+test:
+	$(MAKE) --no-print-directory -j3 test-deps
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -n 2
+
+test-deps: $(STAMP) $(CLIENTS_STAMP) monitoring-tools
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
