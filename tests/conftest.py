@@ -145,43 +145,43 @@ def tiny_gpt2_draft(tmp_path_factory, tiny_gpt2_target) -> str:
 # a Ray instance (RAY_FILES: ray_local / serve_http, each worker starting its own) or on
 # the local cluster of cluster/local_cluster.sh (TWO_NODE_FILES) are the bulk of the
 # suite's time; they are cut into two groups of about equal measured time (durations of a
-# full run on a 2-core machine, in the comments), one per worker from the start, each
-# group's files one after another so that one Serve app at a time per worker shares the
-# cores. Every other file (models in process: specdec, policies, detectors) goes whole to
-# the first worker free once its group is done, so that its module-scoped fixtures
-# (compiled runners among them) are built once.
+# full run on a 2-core machine with a warm compile cache, in the comments), one per worker
+# from the start, each group's files one after another so that one Serve app at a time
+# per worker shares the cores. Every other file (models in process: specdec, policies,
+# detectors) goes whole to the first worker free once its group is done, so that its
+# module-scoped fixtures (compiled runners among them) are built once.
 RAY_FIXTURES = frozenset({"ray_local", "serve_http"})
 TWO_NODE_FILES = frozenset(
     "tests/deployments/" + name
     for name in (
-        "test_deploy_shapes.py",  # ~710 s
-        "test_node_loss.py",
-        "test_two_node.py",
+        "test_deploy_shapes.py",  # ~510 s
+        "test_node_loss.py",  # ~280 s
+        "test_two_node.py",  # ~30 s
     )
 )
 RAY_GROUPS = {
     "ray-a": frozenset(
         "tests/" + name
         for name in (
-            "deployments/test_channel.py",  # ~40 s
-            "deployments/test_engine.py",  # ~1400 s
-            "deployments/test_engine_law.py",  # ~360 s
-            "deployments/test_families_http.py",  # ~1030 s
-            "deployments/test_http.py",  # ~350 s
-            "deployments/test_serve_engine.py",  # ~140 s
+            "deployments/test_channel.py",  # ~20 s
+            "deployments/test_engine.py",  # ~630 s
+            "deployments/test_engine_law.py",  # ~110 s
+            "deployments/test_families_http.py",  # ~340 s
+            "deployments/test_http.py",  # ~190 s
+            "deployments/test_serve_engine.py",  # ~100 s
         )
     ),
     # with the local cluster's files, first
     "ray-b": frozenset(
         "tests/" + name
         for name in (
-            "adaptation/test_bench_adaptation.py",  # ~350 s; bench.adaptation, a process
-            "clients/test_aiperf.py",  # ~290 s; a client against its fixture's server
-            "clients/test_guidellm.py",  # ~50 s
-            "clients/test_lm_eval.py",  # ~50 s
+            "adaptation/test_bench_adaptation.py",  # ~220-300 s; bench.adaptation, a process
+            "clients/test_aiperf.py",  # ~140 s; a client against its fixture's server
+            "clients/test_guidellm.py",  # ~40 s
+            "clients/test_lm_eval.py",  # ~35 s
             "clients/test_vllm_bench_replay.py",  # ~10 s (the client tests' server: here)
-            "deployments/test_tensor_parallel_serve.py",  # ~240 s
-            "monitoring/test_drift_e2e.py",  # ~250-600 s; Prometheus and Alertmanager
+            "deployments/test_tensor_parallel_serve.py",  # ~350 s
+            "monitoring/test_drift_e2e.py",  # ~75 s; Prometheus and Alertmanager
         )
     ),
 }
@@ -203,15 +203,16 @@ def scope_of(path: str) -> str:
     return path
 
 
-# Files without Ray that take longest (compiles; durations of a loaded run), first among
+# Files without Ray that take longest (compiles: with a warm cache, and with a cold one in
+# parentheses; durations of a loaded run), first among
 # the files that fill the workers once their Ray groups are done: a long file handed out
 # last would keep one worker busy while the other has nothing left.
 LONG_FILES = tuple(
     "tests/" + name
     for name in (
-        "specdec/test_compiled.py",  # ~710 s
-        "deployments/test_warm_up.py",  # ~250 s
-        "specdec/test_draft_steps.py",  # ~210 s
+        "specdec/test_compiled.py",  # ~85 s (~270 s)
+        "deployments/test_warm_up.py",  # ~25 s (~100 s)
+        "specdec/test_draft_steps.py",  # ~60 s (~290 s)
     )
 )
 
