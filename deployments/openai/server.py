@@ -116,13 +116,32 @@ def create_app(
     ``keys`` are the replica's API keys (none: the API is open)."""
     app = FastAPI(title="SpecServe", version="0.1.0", description=__doc__)
     add_error_handlers(app)
-    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, replica_id=replica_id)
-    # Added last, so outermost: a request's key is checked before anything reads its body.
-    app.add_middleware(
-        KeyGate, keys=keys, limiter=ConcurrencyLimiter(config.rate_limit_retry_after_s)
+    add_middlewares(
+        app,
+        max_body_bytes=config.max_body_bytes,
+        keys=keys,
+        limiter=ConcurrencyLimiter(config.rate_limit_retry_after_s),
+        replica_id=replica_id,
     )
     add_routes(app, config, engine, tokenizer)
     return app
+
+
+def add_middlewares(
+    app: FastAPI,
+    *,
+    max_body_bytes: int,
+    keys: KeyStore,
+    limiter: ConcurrencyLimiter,
+    replica_id: str,
+) -> None:
+    """The ASGI layers in front of the routes, innermost first (each one added wraps the
+    ones before it): the body limit; the key gate, outside it so that a request's key is
+    checked before anything reads its body; the replica's name, outermost, so that the key
+    gate's refusals (401, 429) carry it as every other response does."""
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes)
+    app.add_middleware(KeyGate, keys=keys, limiter=limiter)
+    app.add_middleware(ReplicaHeader, replica_id=replica_id)
 
 
 # ----- errors and limits ---------------------------------------------------------------------
@@ -162,19 +181,20 @@ async def _http_error(_: Request, exc: StarletteHTTPException):
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
 
-class RequestLimits:
-    """ASGI middleware: a 413 for a ``/v1/*`` body over ``max_body_bytes``, and every
-    response names its replica (``x-specserve-replica``).
+class ReplicaHeader:
+    """ASGI middleware: every response names its replica (``x-specserve-replica``), so
+    that an operator can tell which replica answered (or refused) a request.
 
-    Plain ASGI rather than an ``@app.middleware("http")`` function: such a function runs
-    the app in a task of its own and relays a stream's body through a channel without a
-    buffer, so every event of a stream waits at a relay step outside the stream's
-    generator. A client that left then cancelled the stream there, the generator stayed
-    suspended, and its sequences kept generating until the garbage collector finalised it
-    (CI at 61515ad: a sequence still running 30 s after its client left)."""
+    Plain ASGI, as the other layers here, rather than an ``@app.middleware("http")``
+    function: such a function runs the app in a task of its own and relays a stream's body
+    through a channel without a buffer, so every event of a stream waits at a relay step
+    outside the stream's generator. A client that left then cancelled the stream there,
+    the generator stayed suspended, and its sequences kept generating until the garbage
+    collector finalised it (CI at 61515ad: a sequence still running 30 s after its client
+    left)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, replica_id: str):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app: ASGIApp, replica_id: str):
+        self.app = app
         self.header = (b"x-specserve-replica", replica_id.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -186,7 +206,19 @@ class RequestLimits:
                 message = {**message, "headers": [*message.get("headers", ()), self.header]}
             await send(message)
 
-        if api_path(scope).startswith("/v1/"):
+        await self.app(scope, receive, send_named)
+
+
+class RequestLimits:
+    """ASGI middleware: a 413 for a ``/v1/*`` body over ``max_body_bytes``, by its length
+    header or, for a chunked upload, by reading it up to the limit (plain ASGI: see
+    :class:`ReplicaHeader`)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and api_path(scope).startswith("/v1/"):
             too_large, receive = await self._body_too_large(scope, receive)
             if too_large:
                 refusal = error_response(
@@ -195,8 +227,8 @@ class RequestLimits:
                     "invalid_request_error",
                     "body_too_large",
                 )
-                return await refusal(scope, receive, send_named)
-        await self.app(scope, receive, send_named)
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
 
     async def _body_too_large(self, scope: Scope, receive: Receive) -> tuple[bool, Receive]:
         """Whether the body exceeds the limit, by its length header; a chunked upload is

@@ -1,6 +1,8 @@
 """The HTTP layer's ASGI pieces without Ray: a stream whose client left is closed at once
 (its ``finally`` frees the request's sequences), whatever step the stream was at, without
-the garbage collector; the request limits (413, the replica's header) as plain ASGI."""
+the garbage collector; the layers in front of the routes as plain ASGI: the body limit
+(413), the key gate (401, 429) and the replica's name on every response, refusals
+included."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.responses import StreamingResponse
 
-from deployments.openai.server import RequestLimits
+from deployments.config import ApiKey
+from deployments.openai.api_keys import ConcurrencyLimiter, KeyStore
+from deployments.openai.server import add_middlewares
 from deployments.openai.streaming import ClosingStreamingResponse
 
 
@@ -105,9 +109,22 @@ def test_a_stream_cancelled_before_its_body_started_frees_through_on_close(no_gc
     assert freed == [True] and not body.closed
 
 
-def limited_app(body: Body, limit=64) -> FastAPI:
+KEY = "alice-3f9c2b7e0d"
+
+
+def limited_app(
+    body: Body, limit=64, keys: KeyStore | None = None, limiter: ConcurrencyLimiter | None = None
+) -> FastAPI:
+    """The server's middlewares (as ``create_app`` adds them) over a few routes; no keys:
+    the API is open."""
     app = FastAPI()
-    app.add_middleware(RequestLimits, max_body_bytes=limit, replica_id="r-1")
+    add_middlewares(
+        app,
+        max_body_bytes=limit,
+        keys=keys or KeyStore([]),
+        limiter=limiter or ConcurrencyLimiter(1),
+        replica_id="r-1",
+    )
 
     @app.get("/v1/stream")
     async def stream():
@@ -170,3 +187,34 @@ def test_bodies_over_the_limit_get_413_and_others_reach_the_app_whole(sized):
     # Outside /v1/ no limit applies; the replica is named all the same.
     got, names, body = asyncio.run(call(app, http_scope("/health"), [b""]))
     assert (got, names[b"x-specserve-replica"], json.loads(body)) == (200, b"r-1", {"status": "ok"})
+
+
+def test_the_key_gates_refusals_name_the_replica_and_read_no_body():
+    """401 for a missing or wrong key and 429 for a key at its limit come from the gate,
+    outside the body limit (a refused client's body is never read: these bodies are over
+    the limit, a 413 if read), and name the replica as every other response does."""
+    keys = KeyStore(
+        [ApiKey.model_validate({"name": "a", "key": KEY, "max_concurrent_requests": 1})]
+    )
+    limiter = ConcurrencyLimiter(retry_after_s=2)
+    app = limited_app(Body(), limit=64, keys=keys, limiter=limiter)
+    large = json.dumps({"prompt": "x" * 200}).encode()
+    typed = (b"content-type", b"application/json")
+    wrong = (b"authorization", b"Bearer " + KEY[:-1].encode())
+    for headers in ([typed], [typed, wrong]):
+        scope = http_scope("/v1/echo", "POST", headers)
+        got, names, body = asyncio.run(call(app, scope, [large[:10], large[10:]]))
+        assert (got, names[b"x-specserve-replica"]) == (401, b"r-1")
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    authorized = [typed, (b"authorization", f"Bearer {KEY}".encode())]
+    with limiter.acquire(keys.lookup(KEY)):  # the key's one place, taken
+        scope = http_scope("/v1/echo", "POST", authorized)
+        got, names, body = asyncio.run(call(app, scope, [large]))
+    assert (got, names[b"x-specserve-replica"], names[b"retry-after"]) == (429, b"r-1", b"2")
+    assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+    # With its place free the same key gets through the gate, and then meets the limit.
+    got, names, body = asyncio.run(call(app, http_scope("/v1/echo", "POST", authorized), [large]))
+    assert (got, names[b"x-specserve-replica"]) == (413, b"r-1")
+    small = json.dumps({"prompt": "x"}).encode()
+    got, _, body = asyncio.run(call(app, http_scope("/v1/echo", "POST", authorized), [small]))
+    assert (got, json.loads(body)) == (200, {"prompt": "x"})

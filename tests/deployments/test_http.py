@@ -483,6 +483,7 @@ def test_api_key_required_when_configured(secure_url):
     assert httpx.get(f"{secure_url}/v1/models").status_code == 401
     bad = httpx.get(f"{secure_url}/v1/models", headers=bearer("nope"))
     assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    assert bad.headers["x-specserve-replica"]  # a refusal names its replica too
     assert httpx.get(f"{secure_url}/v1/models", headers=bearer("sekret" + "x")).status_code == 401
     assert httpx.get(f"{secure_url}/health").status_code == 200  # /health needs no key
     for key in ("sekret", LIMITED_KEY):  # api_key and the keys file's
@@ -521,6 +522,7 @@ def test_a_key_at_its_limit_gets_429_while_its_stream_runs(secure_url):
             next(line for line in lines if line.startswith("data: {"))  # it runs
             busy = http.post("/v1/completions", json=small, headers=bearer(LIMITED_KEY))
             assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
+            assert busy.headers["x-specserve-replica"] == stream.headers["x-specserve-replica"]
             error = busy.json()["error"]
             assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
             assert "'limited'" in error["message"] and LIMITED_KEY not in error["message"]
