@@ -24,6 +24,8 @@ DEMO_PROMPT = (
 
 
 def wait_healthy(url: str, timeout_s: float) -> dict:
+    """``/health``'s body once it says ok; a TimeoutError naming the last state after
+    ``timeout_s`` (``main`` exits with it; the client tests' fixture fails with it)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     said = None
@@ -42,7 +44,7 @@ def wait_healthy(url: str, timeout_s: float) -> dict:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             last = str(exc)
         time.sleep(1)
-    raise SystemExit(f"SpecServe at {url} was not healthy after {timeout_s:.0f}s: {last}")
+    raise TimeoutError(f"SpecServe at {url} was not healthy after {timeout_s:.0f}s: {last}")
 
 
 def main() -> None:
@@ -57,7 +59,10 @@ def main() -> None:
     from openai import OpenAI
 
     t0 = time.monotonic()
-    wait_healthy(args.url, args.timeout)
+    try:
+        wait_healthy(args.url, args.timeout)
+    except TimeoutError as exc:
+        raise SystemExit(str(exc)) from None
     client = OpenAI(base_url=f"{args.url}/v1", api_key="unused")
     model = client.models.list().data[0].id
     resp = client.completions.create(model=model, prompt=args.prompt, max_tokens=32, temperature=0)

@@ -122,7 +122,7 @@ def limited_app(
         app,
         max_body_bytes=limit,
         keys=keys or KeyStore([]),
-        limiter=limiter or ConcurrencyLimiter(1),
+        limiter=limiter or ConcurrencyLimiter(),
         replica_id="r-1",
     )
 
