@@ -320,7 +320,8 @@ class AdaptationDeployment:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # No CPU reserved: this deployment's node may have none to give (a 0-CPU head).
         task = ray.remote(_export_task).options(num_cpus=0, scheduling_strategy=here)
-        return await asyncio.wait_for(task.remote(self.source, ref, directory), EXPORT_TIMEOUT_S)
+        async with asyncio.timeout(EXPORT_TIMEOUT_S):
+            return await task.remote(self.source, ref, directory)
 
     async def set_enabled(self, enabled: bool) -> bool:
         """Turn runs (on drift and on demand) off or on at run time; a run in flight when
@@ -354,13 +355,13 @@ class AdaptationDeployment:
         """Every ``poll_interval_s`` (or at once when a replica reports an alert): the
         domains whose alert fires are pending; one of them gets a run when it is due."""
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.poll_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             try:
-                status = await asyncio.wait_for(
-                    self.monitor.status.remote(), MONITOR_CALL_TIMEOUT_S
-                )
+                async with asyncio.timeout(MONITOR_CALL_TIMEOUT_S):
+                    status = await self.monitor.status.remote()
             except Exception as exc:  # the monitor restarting, say: next time
                 logger.warning("adaptation: no drift state from the monitor: %r", exc)
                 continue
@@ -485,8 +486,8 @@ class AdaptationDeployment:
         if self.monitor is None:
             return None
         try:
-            call = self.monitor.serving_speed.remote(window_s)
-            return await asyncio.wait_for(call, MONITOR_CALL_TIMEOUT_S)
+            async with asyncio.timeout(MONITOR_CALL_TIMEOUT_S):
+                return await self.monitor.serving_speed.remote(window_s)
         except Exception as exc:
             logger.warning("could not read serving's speed before a run: %r", exc)
             return None
@@ -537,10 +538,9 @@ class AdaptationDeployment:
                     version.watch = f"superseded by version {self.history.current.version}"
                 return
             try:
-                counts = await asyncio.wait_for(
-                    self.monitor.acceptance.remote(version.domain, cfg.window_rounds),
-                    MONITOR_CALL_TIMEOUT_S,
-                )
+                async with asyncio.timeout(MONITOR_CALL_TIMEOUT_S):
+                    call = self.monitor.acceptance.remote(version.domain, cfg.window_rounds)
+                    counts = await call
             except Exception as exc:  # the monitor restarting, say: next time
                 logger.warning("swap watch: no counts from the monitor: %r", exc)
                 if time.monotonic() > deadline:
@@ -597,9 +597,8 @@ class AdaptationDeployment:
 
         async def send() -> None:
             try:
-                await asyncio.wait_for(
-                    self.monitor.adaptation_event.remote(record), MONITOR_CALL_TIMEOUT_S
-                )
+                async with asyncio.timeout(MONITOR_CALL_TIMEOUT_S):
+                    await self.monitor.adaptation_event.remote(record)
             except Exception as exc:
                 logger.warning("adaptation event %s not reported: %r", outcome, exc)
 

@@ -177,7 +177,8 @@ class SpecServeDeployment:
 
         async def wait() -> None:
             try:
-                await asyncio.wait_for(call, ADAPTATION_CALL_TIMEOUT_S)
+                async with asyncio.timeout(ADAPTATION_CALL_TIMEOUT_S):
+                    await call
             except Exception as exc:
                 logger.warning("adaptation deployment call (%s) failed: %r", what, exc)
 

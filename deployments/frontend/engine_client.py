@@ -138,14 +138,19 @@ class EngineClient:
         )
 
     async def _await_ready(self, actor) -> dict[str, Any]:
-        return await asyncio.wait_for(
-            actor.ready.remote(), timeout=self.config.faults.restart_timeout_s
-        )
+        async with asyncio.timeout(self.config.faults.restart_timeout_s):
+            return await actor.ready.remote()
 
     async def _call(self, ref, extra_s: float = 0.0):
         """Await a worker call for at most ``call_timeout_s`` (+ ``extra_s``): a worker that
-        does not answer is as good as dead (``asyncio.TimeoutError``)."""
-        return await asyncio.wait_for(ref, timeout=self.config.faults.call_timeout_s + extra_s)
+        does not answer is as good as dead (``TimeoutError``).
+
+        ``asyncio.timeout``, not ``wait_for``: Python 3.11's ``wait_for`` returns the answer
+        when it lands in the same loop turn as a cancellation of the caller, dropping the
+        cancellation (CI: a streamed request's choices, cancelled as their client left while
+        the core took them in, went on generating to their end)."""
+        async with asyncio.timeout(self.config.faults.call_timeout_s + extra_s):
+            return await ref
 
     async def start(self) -> None:
         """Create both workers, wait until both have loaded their models, connect them.
@@ -514,7 +519,7 @@ class EngineClient:
         try:
             if not self._replacing_target:  # else the replacement starts it
                 await self._call(self.target.add_requests.remote([req.core_request()]))
-        except (RayActorError, asyncio.TimeoutError):
+        except (TimeoutError, RayActorError):
             pass  # the poller replaces the target and resumes every known request
         except Exception as exc:
             raise EngineError(f"could not start the request: {exc}") from exc
@@ -582,7 +587,7 @@ class EngineClient:
                 cursor, outs, error = polled.cursor, polled.outputs, polled.error
             except asyncio.CancelledError:
                 raise
-            except (RayActorError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, RayActorError) as exc:
                 logger.warning("target worker failed or hung: %r", exc)
                 if not await self._replace_target():
                     return
@@ -734,7 +739,7 @@ class EngineClient:
                     break
                 try:
                     stalled = await self._call(draft.stalled_s.remote())
-                except (RayActorError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, RayActorError) as exc:
                     reason = f"it does not answer: {exc!r}"
                     break
                 if stalled > faults.call_timeout_s:

@@ -53,8 +53,9 @@ class OutputsChannel:
             return None
         request = msgspec.msgpack.encode(OutputsRequest(cursor, timeout_s))
         try:
-            wire = await asyncio.wait_for(asyncio.to_thread(_ask, conn, request), deadline_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(deadline_s):
+                wire = await asyncio.to_thread(_ask, conn, request)
+        except TimeoutError:
             self._drop()  # (its thread ends as the connection closes)
             raise
         except (OSError, ValueError) as exc:
@@ -82,9 +83,8 @@ class OutputsChannel:
 
     async def _connect(self, target) -> None:
         try:
-            address = await asyncio.wait_for(
-                target.outputs_channel_address.remote(), self.CONNECT_TIMEOUT_S
-            )
+            async with asyncio.timeout(self.CONNECT_TIMEOUT_S):
+                address = await target.outputs_channel_address.remote()
             conn = await asyncio.to_thread(connect, address, self.CONNECT_TIMEOUT_S)
         except Exception as exc:  # (a core that cannot answer is the Ray poll's to see)
             logger.warning("no outputs channel to the core (%r): polling by Ray", exc)

@@ -108,7 +108,8 @@ class TelemetryLink:
     async def flush_once(self) -> None:
         core = self.current_core()
         try:
-            drained = await asyncio.wait_for(core.drain_telemetry.remote(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                drained = await core.drain_telemetry.remote()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a core being replaced: the frontend's poller handles it
@@ -118,9 +119,8 @@ class TelemetryLink:
             return
         requests, self.records = self.records, []
         try:
-            reply = await asyncio.wait_for(
-                self.sink(self._batch(drained), requests, self.cursor), timeout=self.timeout_s
-            )
+            async with asyncio.timeout(self.timeout_s):
+                reply = await self.sink(self._batch(drained), requests, self.cursor)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -131,7 +131,8 @@ class TelemetryLink:
         if reply.alerts:
             alerts = [DriftAlert(a.domain, a.current_alpha) for a in reply.alerts]
             try:
-                await asyncio.wait_for(core.on_drift.remote(alerts), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await core.on_drift.remote(alerts)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the cursor: the alerts come again next flush

@@ -69,7 +69,8 @@ async def cancelled_mid_send(app, scope, body: Body, block_at=3):
         await asyncio.Event().wait()
 
     task = asyncio.create_task(app(scope, no_disconnect, send))
-    await asyncio.wait_for(blocked.wait(), 10)
+    async with asyncio.timeout(10):
+        await blocked.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -407,7 +407,8 @@ def test_target_killed_mid_generation_requests_resume(
         # the client in bursts, and with a kill at 32 of the 96 tokens seen, a busy
         # client once saw the rest come before the kill landed (nothing left to resume).
         kill = _run_with_kill(engine, "target", prompts, GREEDY, after_tokens=len(prompts))
-        results = await asyncio.wait_for(kill, 120)
+        async with asyncio.timeout(120):
+            results = await kill
         await _wait_replaced(engine, old)
         return results, engine.health(), await held_after(engine)
 
@@ -445,7 +446,8 @@ def test_final_only_requests_get_their_first_output_then_the_rest_at_once(
             await outputs(engine, prompts[0], GREEDY, "final")
         old = engine.target
         kill = _run_with_kill(engine, "target", prompts, long, 0, each=1, output_kind="final_only")
-        resumed = await asyncio.wait_for(kill, 120)
+        async with asyncio.timeout(120):
+            resumed = await kill
         await _wait_replaced(engine, old)
         return got, resumed, engine.health(), await held_after(engine)
 
@@ -481,7 +483,8 @@ def test_target_killed_without_restarts_fails_cleanly(ray_local, tiny_target, ti
     async def body(engine):
         t0 = time.monotonic()
         with pytest.raises(EngineError, match="target worker died"):
-            await asyncio.wait_for(_run_with_kill(engine, "target", PROMPTS[:3], params), 60)
+            async with asyncio.timeout(60):
+                await _run_with_kill(engine, "target", PROMPTS[:3], params)
         elapsed = time.monotonic() - t0
         # New requests are refused with the same clear reason instead of hanging.
         with pytest.raises(EngineError, match="target worker died"):
@@ -583,7 +586,8 @@ def test_speculation_after_target_only_requests(ray_local, tiny_target, tiny_dra
     async def body(engine):
         off = await collect(engine, PROMPTS[0], GREEDY, speculation=False)
         # A round without its drafts would wait draft_timeout_s (30 s): fail sooner.
-        on = await asyncio.wait_for(collect(engine, PROMPTS[1], GREEDY), 20)
+        async with asyncio.timeout(20):
+            on = await collect(engine, PROMPTS[1], GREEDY)
         return off, on, await engine.round_timings()
 
     (off, _), (on, last), timings = asyncio.run(with_engine(cfg, body))
@@ -789,7 +793,8 @@ def test_seeded_request_resumes_identically_after_target_replacement(
 
     async def body(engine):
         old = engine.target
-        tokens = await asyncio.wait_for(_run_with_kill(engine, "target", [PROMPTS[0]], params), 120)
+        async with asyncio.timeout(120):
+            tokens = await _run_with_kill(engine, "target", [PROMPTS[0]], params)
         return tokens, engine.target is not old
 
     (tokens,), replaced = asyncio.run(with_engine(cfg, body))
@@ -820,7 +825,8 @@ def test_a_hung_worker_is_replaced_and_requests_complete(
         await asyncio.sleep(0.5)
         os.kill(info["pid"], signal.SIGSTOP)
         try:
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            async with asyncio.timeout(120):
+                results = await asyncio.gather(*tasks)
             deadline = time.monotonic() + 60
             while getattr(engine, worker) in (None, old) or engine.status != "ok":
                 assert time.monotonic() < deadline, f"no replacement {worker}"
