@@ -73,12 +73,16 @@ start_node() {
 }
 
 # One try: `ray start --block` in a session of its own (stop-node kills exactly this node);
-# true once it says the node runs, false (its processes killed) when it gave up.
+# true once it says the node runs, false (its processes killed) when it gave up. No log
+# monitor: the nodes of one machine share the head's session directory, which the head's
+# log monitor already tails (one per node would publish each line once per node, and each
+# scans every worker's log file ten times a second).
 launch_node() {
   local name=$1 cpus=$2 resources=$3 log="$STATE/$1.log" pid
   : >"$log"
   setsid "$RAY" start --address="127.0.0.1:$PORT" --num-cpus="$cpus" \
     --resources="$(resources_json "$resources")" --disable-usage-stats --block \
+    --include-log-monitor=False \
     >"$log" 2>&1 </dev/null &
   pid=$!
   echo "$pid" >"$STATE/$name.pid"
