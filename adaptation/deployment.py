@@ -539,8 +539,7 @@ class AdaptationDeployment:
                 return
             try:
                 async with asyncio.timeout(MONITOR_CALL_TIMEOUT_S):
-                    call = self.monitor.acceptance.remote(version.domain, cfg.window_rounds)
-                    counts = await call
+                    counts = await self.monitor.acceptance.remote(version.domain, cfg.window_rounds)
             except Exception as exc:  # the monitor restarting, say: next time
                 logger.warning("swap watch: no counts from the monitor: %r", exc)
                 if time.monotonic() > deadline:

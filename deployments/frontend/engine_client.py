@@ -38,7 +38,7 @@ from deployments.frontend.request_state import (
     detokenize_until_stop,
 )
 from deployments.frontend.telemetry_link import TelemetryLink, TelemetrySink
-from deployments.frontend.worker_launch import WorkerLauncher, startup_cause
+from deployments.frontend.worker_launch import WorkerLauncher, ready_within, startup_cause
 from deployments.messages import EngineCoreOutput, EngineCoreOutputs, OutputKind, decode
 from specdec.low_rank import LowRankUpdate
 from specdec.proposer_choice import METHODS as PROPOSERS
@@ -138,8 +138,7 @@ class EngineClient:
         )
 
     async def _await_ready(self, actor) -> dict[str, Any]:
-        async with asyncio.timeout(self.config.faults.restart_timeout_s):
-            return await actor.ready.remote()
+        return await ready_within(actor, self.config.faults.restart_timeout_s)
 
     async def _call(self, ref, extra_s: float = 0.0):
         """Await a worker call for at most ``call_timeout_s`` (+ ``extra_s``): a worker that

@@ -208,7 +208,7 @@ class WorkerLauncher:
         are logged every ``LOAD_LOG_PERIOD_S``."""
         started = time.monotonic()
         tasks = {
-            name: asyncio.ensure_future(_ready_within(actor, timeout_s))
+            name: asyncio.ensure_future(ready_within(actor, timeout_s))
             for name, actor in workers.items()
         }
         pending = set(tasks.values())
@@ -259,7 +259,7 @@ def startup_cause(exc: BaseException, timeout_s: float) -> str:
     return text.strip().splitlines()[-1] if "Traceback" in text else text.strip()
 
 
-async def _ready_within(actor, timeout_s: float) -> dict[str, Any]:
+async def ready_within(actor, timeout_s: float) -> dict[str, Any]:
     """The worker's ``ready`` answer, or ``TimeoutError`` after ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
         return await actor.ready.remote()
