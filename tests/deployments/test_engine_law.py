@@ -92,13 +92,14 @@ GREEDY_PROMPTS = [[5, 9, 14], [30, 31, 32, 33, 34], [7], [60, 2, 61, 3, 62], [11
 # Sampled groups (the statistical tests) and their sizes; greedy and repeated seeded rows
 # ride in the same batches.
 SIZES = {"t1": 330, "ragged": 300, "seeded": 180, "filtered": 260, "auto": 220, "ngram": 300}
-# A correct engine fails this file in at most one run of 1000: a family p-value per group
-# and shape, so each must exceed ALPHA_RUN over their number (Bonferroni again). The
-# unseeded rows draw afresh every run (their batches follow timing), so 1e-3 per family
-# would fail up to one clean run in 55. (A run at 55dfa43 failed colocated t1 at family
-# p = 3.2e-5, which fails this bound too; 30 reruns of that engine gave uniform p-values,
-# 4 of 390 below 0.01 and 20 below 0.05.) A wrong twin gives family p = 0: a conclusive
-# count where its exact law is 0.
+# A correct engine fails this file in about one run of 1000: a family p-value per group
+# and shape, so each must exceed ALPHA_RUN over their number (Bonferroni again; the
+# chi-square tails run a little heavier than nominal, 7.5e-6 for 2.5e-6 simulated on the
+# t1 law's pairs). The unseeded rows draw afresh every run (their batches follow timing),
+# so 1e-3 per family would fail about one clean run in 55. (A run at 55dfa43 failed
+# colocated t1 at family p = 3.2e-5, which fails this bound too; 30 reruns of that engine
+# gave uniform p-values, 4 of 390 below 0.01 and 20 below 0.05.) A wrong twin gives
+# family p = 0: a conclusive count where its exact law is 0.
 ALPHA_RUN = 1e-3
 ALPHA = ALPHA_RUN / (len(SIZES) * len(SHAPES))  # engine: family p > ALPHA; twin: < ALPHA
 N_GREEDY = 120
