@@ -12,7 +12,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specdec.draft_steps import (
@@ -24,6 +23,7 @@ from specdec.draft_steps import (
 )
 from specdec.execution import CUDA_GRAPH, TORCH_COMPILE, seconds_by_name
 from specdec.low_rank import LowRankUpdate
+from specdec.ngram import ngram_propose
 from specdec.penalties import apply_history, needs_history
 from specdec.qcodec import dequantize_q, quantize_q
 from specdec.rejection import ProposalKind
@@ -434,31 +434,6 @@ class DraftModelProposer(Proposer):
         ]
         tokens[run.probs_at] = sample(dequantize_q(w), gens)  # w: [s, vocab] float16
         run.probs[:, i] = w
-
-
-def ngram_propose(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
-    """Prompt-lookup proposal: continue the latest earlier match of the last n tokens.
-
-    Tries n = n_max down to n_min; for the first n whose suffix occurs earlier in
-    ``token_ids``, returns up to ``k`` tokens that followed its most recent earlier
-    occurrence (it may overlap the suffix, not be it). Returns [] when nothing matches.
-
-    One vectorised comparison per n (numpy, O(len * n) in C): the engine core calls this
-    for every n-gram row of every round, on contexts of thousands of tokens, where a scan
-    in Python took milliseconds a row.
-    """
-    length = len(token_ids)
-    if k <= 0 or length < 2:
-        return []
-    tokens = np.asarray(token_ids, dtype=np.int64)  # [length]
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        # [length - n, n]: every earlier window tokens[s : s + n], s = 0 .. length - n - 1
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
 
 
 class NgramProposer(Proposer):

@@ -114,3 +114,28 @@ def test_the_one_process_path_runs_without_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# What a model runs on and the Serve replica never needs: transformers' modeling (which
+# pulls dynamo, DTensor and more: ~3 CPU-s of imports a process) and specdec's runner.
+MODEL_STACK = ("torch._dynamo", "transformers.modeling_utils", "specdec.runner")
+
+
+def model_stack_after(statement: str) -> list[str]:
+    """The MODEL_STACK modules a fresh interpreter has loaded after ``statement``."""
+    import subprocess
+    import sys
+
+    code = f"import sys\n{statement}\nprint(*[m for m in {MODEL_STACK} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+def test_the_replica_imports_no_model_stack():
+    """The replica imports the app and the workers' actor classes (to start them), and the
+    OpenAI server; the workers import the model stack when they load: each replica (one per
+    app, restart and scale-up) starts seconds sooner. The same check sees a module that
+    does import it."""
+    assert model_stack_after("import deployments.app") == []
+    assert model_stack_after("import specdec.proposers") == list(MODEL_STACK)

@@ -73,12 +73,11 @@ from deployments.workers.model_loader import (
     warm_up,
     worker_info,
 )
+from specdec.ngram import ngram_propose
 from specdec.policy import SpeculationLength
 from specdec.proposer_choice import ProposerChoice
-from specdec.proposers import DraftModelProposer, ngram_propose
 from specdec.sampling import SamplingParams
 from specdec.sequence import SequenceState
-from specdec.speculation_cache import SpeculativeDrafter
 from specdec.stats import RoundStats, RowOutcome, SpecCounts
 from specdec.verify import VerifyRow, sample_next, verify_rows
 
@@ -205,7 +204,12 @@ class EngineCore:
 
     def _colocated_link(self, cfg: ColocatedDraftConfig) -> ColocatedDraftLink:
         """The draft in this process, proposing the ids both models and the tokenizer
-        share, keeping a slot for every target slot (the budget planned them together)."""
+        share, keeping a slot for every target slot (the budget planned them together).
+        (The draft model's stack is imported here, in the core, not by its module: the
+        replica imports that to start the core.)"""
+        from specdec.proposers import DraftModelProposer
+        from specdec.speculation_cache import SpeculativeDrafter
+
         limits = [self.runner.vocab_size, self.draft_runner.vocab_size]
         if cfg.tokenizer_size:
             limits.append(cfg.tokenizer_size)

@@ -26,7 +26,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from deployments.config import EngineConfig
-from deployments.core.engine_core import RoundTimings
+from deployments.core.round_stats import RoundTimings
 from deployments.frontend.detokenizer import IncrementalDetokenizer
 from deployments.frontend.outputs_channel import OutputsChannel
 from deployments.frontend.request_state import (

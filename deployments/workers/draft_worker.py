@@ -40,8 +40,6 @@ from deployments.workers.model_loader import (
     worker_info,
 )
 from specdec.policy import SpeculationWidth, WidthPolicyConfig
-from specdec.proposers import DraftModelProposer
-from specdec.speculation_cache import SpeculativeDrafter
 
 logger = logging.getLogger("specserve.workers")
 
@@ -81,9 +79,8 @@ class DraftWorker:
             self.runner = make()
         # A draft's graphs are small: compiled here, before the worker reports ready.
         self.compile_seconds = warm_up(self.runner)
-        self.drafter = SpeculativeDrafter(
-            DraftModelProposer(self.runner, config.min_confidence),
-            main_slots=min(max_num_seqs, self.runner.max_num_seqs),
+        self.drafter = self._make_drafter(
+            config.min_confidence, min(max_num_seqs, self.runner.max_num_seqs)
         )
         self.compile_seconds.update(self.drafter.warm_up())  # the fused draft steps
         self.rounds = DraftRounds(self.drafter)  # messages applied as a colocated draft does
@@ -112,6 +109,16 @@ class DraftWorker:
         self.error: str | None = None
         self.weights = WeightsHandoff(self._cv, "draft")  # new weights for the loop
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
+
+    def _make_drafter(self, min_confidence: float, main_slots: int):
+        """The drafter over the loaded runner. Its stack (the draft steps, transformers,
+        dynamo) is imported here, in the worker, not by this module: the Serve replica
+        imports the module to start the worker and never drafts."""
+        from specdec.proposers import DraftModelProposer
+        from specdec.speculation_cache import SpeculativeDrafter
+
+        proposer = DraftModelProposer(self.runner, min_confidence)
+        return SpeculativeDrafter(proposer, main_slots=main_slots)
 
     @staticmethod
     def kv_slots(max_num_seqs: int, speculation_width: int) -> int:

@@ -14,12 +14,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 from deployments.messages import DraftItem, DraftStatus, PushedDraft
 from specdec.low_rank import LowRankUpdate
 from specdec.qcodec import DeviceQ, encode_batch
 from specdec.sampling import SamplingParams
-from specdec.speculation_cache import Drafts, SpeculativeDrafter
+
+if TYPE_CHECKING:  # (the draft model's stack: not for the replica that starts workers)
+    from specdec.speculation_cache import Drafts, SpeculativeDrafter
 
 logger = logging.getLogger("specserve.drafting")
 

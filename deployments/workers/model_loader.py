@@ -9,16 +9,17 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 
 from deployments.config import ModelSpec
-from specdec.execution import EAGER, default_execution_mode, seconds_by_name, use_compile_cache
 from specdec.rank_group import MirroredRunner, free_port, lead
-from specdec.runner import ModelRunner
 from specdec.tensor_parallel import ModelShard
+
+if TYPE_CHECKING:
+    from specdec.runner import ModelRunner
 
 logger = logging.getLogger("specserve.workers")
 
@@ -90,7 +91,14 @@ def load_runner(
     draft, ``verifies`` False, keeps no every-position logits in its reserve). The
     calling thread is configured for the spec once loaded, except for a deferred
     (colocated) draft: the target loads after it, with torch's defaults. ``shard``: this
-    rank's place in a tensor-parallel group (its share of the model is loaded, eager)."""
+    rank's place in a tensor-parallel group (its share of the model is loaded, eager).
+
+    The model's stack (transformers' modeling, dynamo: seconds of CPU per process) is
+    imported here, in the worker that loads, not when this module is: the Serve replica
+    imports the workers' actor classes to start them and never runs a model."""
+    from specdec.execution import EAGER, default_execution_mode, use_compile_cache
+    from specdec.runner import ModelRunner
+
     show_info_logs()
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
@@ -202,6 +210,8 @@ def _log_kv(runner: ModelRunner) -> None:
 def warm_up(runner: ModelRunner) -> dict[str, float]:
     """Compile the runner's graphs now (nothing when eager); logs and returns the seconds
     each took, by pass shape, for the worker's info."""
+    from specdec.execution import EAGER, seconds_by_name
+
     if runner.execution_mode == EAGER:
         return {}
     started = time.monotonic()
