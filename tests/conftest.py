@@ -258,7 +258,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     """The local cluster stops once the last of its tests (they run in a row) is done,
-    after that test's fixtures are torn down (they may still use the cluster)."""
+    after that test's fixtures are torn down (they may still use the cluster). The same
+    for the worker's own Ray instance (and Serve on it) once its Ray group is done: its
+    idle controller, proxy and agents took about a tenth of a core while the worker went
+    on with the files that need no Ray."""
     if "two_node_cluster" in item.fixturenames and (
         nextitem is None or "two_node_cluster" not in nextitem.fixturenames
     ):
@@ -266,6 +269,23 @@ def pytest_runtest_teardown(item, nextitem):
 
         if stop := item.config.stash.get(LOCAL_CLUSTER_STOP, None):
             stop()
+    if scope_of(file_of(item.nodeid)) in RAY_GROUPS and (
+        nextitem is None or scope_of(file_of(nextitem.nodeid)) not in RAY_GROUPS
+    ):
+        release_ray()
+
+
+def release_ray() -> None:
+    """Serve, then this process's Ray instance, shut down (nothing when it runs none).
+    Only once the worker's Ray groups are done: each is handed out whole and the groups
+    come first (:func:`run_order`), so no later test of this worker needs them."""
+    import ray
+
+    if ray.is_initialized():
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -360,7 +380,7 @@ def serve_http(ray_local):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    release_ray()  # (done already once the worker's Ray group ended)
 
 
 @pytest.fixture(scope="session")
