@@ -116,8 +116,9 @@ def test_the_one_process_path_runs_without_ray():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-# What a model runs on and the Serve replica never needs: transformers' modeling (which
-# pulls dynamo, DTensor and more: ~3 CPU-s of imports a process) and specdec's runner.
+# What a model runs on and the Serve replica never needs at import: transformers'
+# modeling (which pulls dynamo, DTensor and more) and specdec's runner. (Loading a
+# tokenizer later brings dynamo in, through transformers: the replica saves ~1.5 CPU-s.)
 MODEL_STACK = ("torch._dynamo", "transformers.modeling_utils", "specdec.runner")
 
 
@@ -134,8 +135,8 @@ def model_stack_after(statement: str) -> list[str]:
 
 def test_the_replica_imports_no_model_stack():
     """The replica imports the app and the workers' actor classes (to start them), and the
-    OpenAI server; the workers import the model stack when they load: each replica (one per
-    app, restart and scale-up) starts seconds sooner. The same check sees a module that
-    does import it."""
+    OpenAI server; the workers import the model stack when they load, so each replica (one
+    per app, restart and scale-up) starts sooner. The same check sees a module that does
+    import it."""
     assert model_stack_after("import deployments.app") == []
     assert model_stack_after("import specdec.proposers") == list(MODEL_STACK)
