@@ -63,7 +63,7 @@ from deployments.messages import (
     encode,
 )
 from deployments.workers.channel import ChannelServer, FrameSocket
-from deployments.workers.drafting import DraftRounds, WeightsHandoff
+from deployments.workers.drafting import DraftRounds, WeightsHandoff, new_drafter
 from deployments.workers.model_loader import (
     configure_thread,
     group_health,
@@ -204,17 +204,13 @@ class EngineCore:
 
     def _colocated_link(self, cfg: ColocatedDraftConfig) -> ColocatedDraftLink:
         """The draft in this process, proposing the ids both models and the tokenizer
-        share, keeping a slot for every target slot (the budget planned them together).
-        (The draft model's stack is imported here, in the core, not by its module: the
-        replica imports that to start the core.)"""
-        from specdec.proposers import DraftModelProposer
-        from specdec.speculation_cache import SpeculativeDrafter
-
+        share, keeping a slot for every target slot (the budget planned them together)."""
         limits = [self.runner.vocab_size, self.draft_runner.vocab_size]
         if cfg.tokenizer_size:
             limits.append(cfg.tokenizer_size)
-        proposer = DraftModelProposer(self.draft_runner, cfg.min_confidence, min(limits))
-        drafter = SpeculativeDrafter(proposer, main_slots=self.draft_runner.max_num_seqs)
+        drafter = new_drafter(
+            self.draft_runner, cfg.min_confidence, self.draft_runner.max_num_seqs, min(limits)
+        )
         return ColocatedDraftLink(DraftRounds(drafter))
 
     # ----- calls (each in its concurrency group) ------------------------------------------

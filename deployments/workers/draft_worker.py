@@ -29,7 +29,7 @@ from deployments.messages import (
     encode,
 )
 from deployments.workers.channel import ChannelServer, FrameSocket
-from deployments.workers.drafting import DraftRounds, WeightsHandoff, pushed_drafts
+from deployments.workers.drafting import DraftRounds, WeightsHandoff, new_drafter, pushed_drafts
 from deployments.workers.model_loader import (
     configure_thread,
     group_health,
@@ -79,8 +79,8 @@ class DraftWorker:
             self.runner = make()
         # A draft's graphs are small: compiled here, before the worker reports ready.
         self.compile_seconds = warm_up(self.runner)
-        self.drafter = self._make_drafter(
-            config.min_confidence, min(max_num_seqs, self.runner.max_num_seqs)
+        self.drafter = new_drafter(
+            self.runner, config.min_confidence, min(max_num_seqs, self.runner.max_num_seqs)
         )
         self.compile_seconds.update(self.drafter.warm_up())  # the fused draft steps
         self.rounds = DraftRounds(self.drafter)  # messages applied as a colocated draft does
@@ -109,16 +109,6 @@ class DraftWorker:
         self.error: str | None = None
         self.weights = WeightsHandoff(self._cv, "draft")  # new weights for the loop
         threading.Thread(target=self._loop_guarded, name="specserve-draft", daemon=True).start()
-
-    def _make_drafter(self, min_confidence: float, main_slots: int):
-        """The drafter over the loaded runner. Its stack (the draft steps, transformers,
-        dynamo) is imported here, in the worker, not by this module: the Serve replica
-        imports the module to start the worker and never drafts."""
-        from specdec.proposers import DraftModelProposer
-        from specdec.speculation_cache import SpeculativeDrafter
-
-        proposer = DraftModelProposer(self.runner, min_confidence)
-        return SpeculativeDrafter(proposer, main_slots=main_slots)
 
     @staticmethod
     def kv_slots(max_num_seqs: int, speculation_width: int) -> int:

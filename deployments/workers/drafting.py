@@ -27,6 +27,20 @@ if TYPE_CHECKING:  # (the draft model's stack: not for the replica that starts w
 logger = logging.getLogger("specserve.drafting")
 
 
+def new_drafter(
+    runner, min_confidence: float, main_slots: int, vocab_limit: int | None = None
+) -> SpeculativeDrafter:
+    """The drafter over a loaded draft runner, for the draft worker and a colocated draft
+    alike. Its stack (the draft steps, transformers, dynamo) is imported here, where a
+    worker drafts, not with this module: the Serve replica imports the workers' modules to
+    start them and never drafts."""
+    from specdec.proposers import DraftModelProposer
+    from specdec.speculation_cache import SpeculativeDrafter
+
+    proposer = DraftModelProposer(runner, min_confidence, vocab_limit)
+    return SpeculativeDrafter(proposer, main_slots=main_slots)
+
+
 def pushed_drafts(
     rows: list[tuple[Hashable, tuple, Drafts]], *, version: int, on_device: bool = False
 ) -> list[PushedDraft]:
