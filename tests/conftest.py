@@ -380,7 +380,10 @@ def serve_http(ray_local):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
-    release_ray()  # (done already once the worker's Ray group ended)
+    import ray
+
+    if ray.is_initialized():  # (else released with the worker's Ray groups: release_ray)
+        serve.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -99,8 +99,6 @@ def test_the_checks_above_see_a_violation():
 def test_the_one_process_path_runs_without_ray():
     """specdec, its tests and ``bench.gpu`` import without Ray (and without msgspec or
     pydantic): the GPU machine lent to some sessions has torch and transformers only."""
-    import subprocess
-    import sys
 
     specdec_tests = [name_of(p) for p in modules("tests.specdec")]
     code = (
@@ -112,8 +110,18 @@ def test_the_one_process_path_runs_without_ray():
         "    importlib.import_module(name)\n"
         "import tests.conftest, tests.model_families, bench.gpu\n"
     )
+    run_fresh(code)
+
+
+def run_fresh(code: str) -> str:
+    """``code`` in a fresh interpreter at the repository's root; its stdout (it must
+    succeed)."""
+    import subprocess
+    import sys
+
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 # What a model runs on and the Serve replica never needs at import: transformers'
@@ -124,13 +132,8 @@ MODEL_STACK = ("torch._dynamo", "transformers.modeling_utils", "specdec.runner")
 
 def model_stack_after(statement: str) -> list[str]:
     """The MODEL_STACK modules a fresh interpreter has loaded after ``statement``."""
-    import subprocess
-    import sys
-
     code = f"import sys\n{statement}\nprint(*[m for m in {MODEL_STACK} if m in sys.modules])"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.split()
+    return run_fresh(code).split()
 
 
 def test_the_replica_imports_no_model_stack():
