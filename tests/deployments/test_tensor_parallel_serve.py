@@ -160,12 +160,13 @@ def _rank_pid(handle) -> int:
 HUNG_RANK_TIMEOUT_S = 10.0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http, sig):
+def test_a_rank_killed_or_hung_under_load_loses_no_request(family_models, serve_http):
     """16 greedy requests through the engine, 8 at a time; once the first has finished,
-    rank 1 is SIGKILLed (or SIGSTOPped: hung). Its group fails at the next pass (the hung
-    rank's after ``rank_timeout_s``), the core exits and is replaced with a new group, the
-    old rank killed, and every request completes with the tokens transformers gives."""
+    rank 1 is SIGKILLed. Its group fails at the next pass, the core exits and is replaced
+    with a new group, and every request completes with the tokens transformers gives.
+    Then the same on the new group with rank 1 SIGSTOPped (hung): its group fails after
+    ``rank_timeout_s``, and the hung rank is killed, not left behind. (One app for both:
+    a deployment and the reference fewer.)"""
     dirs = family_models["llama3"]
     tokenizer = AutoTokenizer.from_pretrained(dirs[2])
     hf = AutoModelForCausalLM.from_pretrained(dirs[0])
@@ -173,10 +174,30 @@ def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http, si
     base = prompts(tokenizer)
     jobs = [base[i % len(base)][: 20 + i % 17] for i in range(16)]  # mixed lengths
     expected = [reference(hf, p, 32, eos) for p in jobs]
-    name = f"tp-{sig.name.lower()}"
-    faults = {"rank_timeout_s": HUNG_RANK_TIMEOUT_S} if sig == signal.SIGSTOP else {}
-    handle = serve.run(split_app(name, dirs, **faults), name=name, route_prefix=f"/{name}")
-    old = None
+    name = "tp-rank-loss"
+    app = split_app(name, dirs, rank_timeout_s=HUNG_RANK_TIMEOUT_S)
+    handle = serve.run(app, name=name, route_prefix=f"/{name}")
+    stopped = []
+    try:
+        for restarts, sig in enumerate((signal.SIGKILL, signal.SIGSTOP), start=1):
+            old = _rank_pid(handle)
+            if sig == signal.SIGSTOP:
+                stopped.append(old)
+            _signal_under_load(handle, jobs, expected, old, sig)
+            assert handle.health_info.remote().result()["target_restarts"] >= restarts
+            assert _rank_pid(handle) != old  # a new group serves
+            with pytest.raises(ProcessLookupError):  # the old rank is gone, not left behind
+                wait_gone(old)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        serve.delete(name)
+
+
+def _signal_under_load(handle, jobs, expected, pid: int, sig) -> None:
+    """``jobs`` sent 8 at a time; ``sig`` to rank 1 (``pid``) once the first has finished;
+    every output must be ``expected``."""
     first_done = []
 
     def complete(ids: list[int]) -> list[int]:
@@ -185,33 +206,20 @@ def test_a_rank_killed_under_load_loses_no_request(family_models, serve_http, si
         first_done.append(True)
         return [t for c in chunks for t in c["new_token_ids"]]
 
-    try:
-        old = _rank_pid(handle)
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(complete, ids) for ids in jobs]
-            deadline = time.monotonic() + 300
-            while not first_done and time.monotonic() < deadline:
-                time.sleep(0.01)  # (waits for the first answer; no work stands in)
-            assert first_done, [f.exception() for f in futures if f.done()]
-            os.kill(old, sig)
-            killed_at, done_before = time.monotonic(), len(first_done)
-            outputs = [f.result(timeout=600) for f in futures]
-        assert outputs == expected
-        health = handle.health_info.remote().result()
-        assert health["target_restarts"] >= 1
-        print(  # the recovery's figures (pytest -s)
-            f"rank 1 {sig.name} with {len(jobs) - done_before} requests unfinished: all "
-            f"{len(jobs)} completed equal {time.monotonic() - killed_at:.1f} s after the kill, "
-            f"{health['target_restarts']} target restart(s)"
-        )
-        assert _rank_pid(handle) != old  # a new group serves
-        with pytest.raises(ProcessLookupError):  # the hung rank was killed, not left behind
-            wait_gone(old)
-    finally:
-        if old is not None and sig == signal.SIGSTOP:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(old, signal.SIGKILL)
-        serve.delete(name)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(complete, ids) for ids in jobs]
+        deadline = time.monotonic() + 300
+        while not first_done and time.monotonic() < deadline:
+            time.sleep(0.01)  # (waits for the first answer; no work stands in)
+        assert first_done, [f.exception() for f in futures if f.done()]
+        os.kill(pid, sig)
+        killed_at, done_before = time.monotonic(), len(first_done)
+        outputs = [f.result(timeout=600) for f in futures]
+    assert outputs == expected, sig.name
+    print(  # the recovery's figures (pytest -s)
+        f"rank 1 {sig.name} with {len(jobs) - done_before} requests unfinished: all "
+        f"{len(jobs)} completed equal {time.monotonic() - killed_at:.1f} s after the signal"
+    )
 
 
 def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
