@@ -27,6 +27,7 @@ from ray.exceptions import RayActorError
 
 from deployments.config import EngineConfig
 from deployments.core.round_stats import RoundTimings
+from deployments.frontend.detached_calls import DetachedCalls
 from deployments.frontend.detokenizer import IncrementalDetokenizer
 from deployments.frontend.outputs_channel import OutputsChannel
 from deployments.frontend.request_state import (
@@ -124,6 +125,9 @@ class EngineClient:
         self.draft_restart_failures = 0
         # A replacement target is loading: requests wait for it (it resumes them all).
         self._replacing_target = False
+        # Adds and aborts, submitted as the engine's start's calls, not the requests'
+        # (set by start(): a request's cancellation must not cancel them).
+        self._detached: DetachedCalls | None = None
 
     # ----- workers ----------------------------------------------------------------------
 
@@ -159,6 +163,7 @@ class EngineClient:
         load, progress is logged every 30 s. A worker that fails to start fails the
         engine with its reason (Serve then reports the deployment as failed)."""
         cfg = self.config
+        self._detached = DetachedCalls()
         try:
             if cfg.draft is not None and not self.colocated:
                 self.draft = self.launcher.spawn_draft()
@@ -517,7 +522,7 @@ class EngineClient:
         """Hand the request to the core (unless a replacement core will be given it)."""
         try:
             if not self._replacing_target:  # else the replacement starts it
-                await self._call(self.target.add_requests.remote([req.core_request()]))
+                await self._call(self._submit(self.target.add_requests, [req.core_request()]))
         except (TimeoutError, RayActorError):
             pass  # the poller replaces the target and resumes every known request
         except Exception as exc:
@@ -533,7 +538,14 @@ class EngineClient:
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:
-            self.target.abort.remote(rids)  # fire and forget: a dead target frees nothing
+            self._submit(self.target.abort, rids)  # fire and forget: a dead target frees nothing
+
+    def _submit(self, method, *args):
+        """``method.remote(*args)`` outside the calling request's Ray task (see
+        :mod:`deployments.frontend.detached_calls`)."""
+        if self._detached is None:  # (not started)
+            return method.remote(*args)
+        return self._detached.submit(method, *args)
 
     def _deliver(self, out: EngineCoreOutput) -> None:
         rid, new, finished, reason = (
@@ -671,7 +683,7 @@ class EngineClient:
             self._replacing_target = False
             try:
                 if live:
-                    await self._call(self.target.add_requests.remote(live))
+                    await self._call(self._submit(self.target.add_requests, live))
             except Exception as exc:
                 failures += 1
                 logger.warning("replacement target failed: %r", exc)

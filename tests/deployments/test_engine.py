@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import threading
 import time
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from deployments.config import EngineConfig
+from deployments.frontend.detached_calls import DetachedCalls
 from deployments.frontend.engine_client import EngineClient, EngineError
 from deployments.messages import DriftAlert, EngineCoreRequest
 from monitoring.records import ReportReply
@@ -18,7 +20,7 @@ from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_for
-from tests.conftest import DEMO_DRAFT, DEMO_TARGET, EAGER
+from tests.conftest import DEMO_DRAFT, DEMO_TARGET, EAGER, wait_for
 
 PROMPTS = [
     [5, 9, 14],
@@ -593,6 +595,80 @@ def test_speculation_after_target_only_requests(ray_local, tiny_target, tiny_dra
     (off, _), (on, last), timings = asyncio.run(with_engine(cfg, body))
     assert off == reference[tuple(PROMPTS[0])] and on == reference[tuple(PROMPTS[1])]
     assert last.stats.drafted > 0 and timings["draft_timeouts"] == 0
+
+
+@ray.remote(concurrency_groups={"work": 1, "io": 1})
+class _InOrderWorker:
+    """An in-order actor, as the core: its "work" calls run one at a time, in the order
+    each caller submitted them; ``block`` holds the others queued until ``release``."""
+
+    def __init__(self):
+        self.gate, self.blocking, self.ran = threading.Event(), threading.Event(), []
+
+    @ray.method(concurrency_group="work")
+    def block(self) -> None:
+        self.blocking.set()
+        self.gate.wait(120)
+
+    @ray.method(concurrency_group="work")
+    def ping(self, tag: str) -> str:
+        self.ran.append(tag)
+        return tag
+
+    @ray.method(concurrency_group="io")
+    def is_blocking(self) -> bool:
+        return self.blocking.is_set()
+
+    @ray.method(concurrency_group="io")
+    def release(self) -> list[str]:
+        self.gate.set()
+        return self.ran
+
+
+@ray.remote
+class _Replica:
+    """An async actor, as a Serve replica: ``start`` as its engine's start, ``handle`` as
+    a request that calls the worker twice, directly and through DetachedCalls."""
+
+    async def start(self, worker) -> None:
+        self.worker, self.detached, self.calls = worker, DetachedCalls(), {}
+
+    async def handle(self) -> None:
+        self.calls["direct"] = self.worker.ping.remote("direct")
+        self.calls["detached"] = self.detached.submit(self.worker.ping, "detached")
+        await asyncio.Event().wait()  # until cancelled, as when its client leaves
+
+    async def submitted(self) -> int:
+        return len(self.calls)
+
+    async def result(self, name: str) -> str:
+        try:
+            return await self.calls[name]
+        except ray.exceptions.TaskCancelledError:
+            return "cancelled"
+
+
+def test_a_requests_detached_calls_outlive_its_cancellation(ray_local):
+    """Serve cancels a request's call recursively when its client leaves: the worker calls
+    that request submitted and that have not run are cancelled with it (the wrong twin,
+    ``direct``), but not those submitted through DetachedCalls, as the engine submits its
+    adds and aborts (a cancelled abort left the sequence generating, and one cancelled
+    before it reached the in-order core stalled the core's calls for 30 s)."""
+    worker, replica = _InOrderWorker.remote(), _Replica.remote()
+    ray.get(replica.start.remote(worker))
+    worker.block.remote()
+    assert wait_for(lambda: ray.get(worker.is_blocking.remote()), 30, "the worker to block")
+    request = replica.handle.remote()
+    wait_for(lambda: ray.get(replica.submitted.remote()) == 2, 30, "both calls submitted")
+    ray.cancel(request, recursive=True)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(request, timeout=60)
+    # Both calls were queued behind ``block`` when the request was cancelled (the sweep of
+    # its calls comes with the cancellation, before the request's end is reported).
+    assert ray.get(worker.release.remote()) == []  # (what ran before the release: nothing)
+    assert ray.get(replica.result.remote("direct")) == "cancelled"
+    assert ray.get(replica.result.remote("detached")) == "detached"
+    assert ray.get(worker.release.remote()) == ["detached"]
 
 
 @pytest.mark.parametrize("shape", ["actor", "colocated"])
