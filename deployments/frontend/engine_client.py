@@ -322,7 +322,7 @@ class EngineClient:
 
     async def round_timings(self, reset: bool = False) -> dict[str, Any]:
         """The core's per-round split (verify, draft waits, overhead), summed over rounds."""
-        return await self._call(self.target.get_timings.remote(reset))
+        return await self._call(self._submit(self.target.get_timings, reset))
 
     async def seq_ids(self) -> dict[str, Any]:
         """What each worker holds, for leak checks: see EngineCore/DraftWorker.seq_ids."""

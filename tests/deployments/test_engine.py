@@ -621,8 +621,10 @@ class _InOrderWorker:
 
     @ray.method(concurrency_group="io")
     def release(self) -> list[str]:
+        """What ran before this release (a copy: the work thread may append next)."""
+        ran = list(self.ran)
         self.gate.set()
-        return self.ran
+        return ran
 
 
 @ray.remote
