@@ -99,7 +99,6 @@ def test_the_checks_above_see_a_violation():
 def test_the_one_process_path_runs_without_ray():
     """specdec, its tests and ``bench.gpu`` import without Ray (and without msgspec or
     pydantic): the GPU machine lent to some sessions has torch and transformers only."""
-
     specdec_tests = [name_of(p) for p in modules("tests.specdec")]
     code = (
         "import sys\n"

@@ -542,9 +542,8 @@ class EngineClient:
 
     def _submit(self, method, *args):
         """``method.remote(*args)`` outside the calling request's Ray task (see
-        :mod:`deployments.frontend.detached_calls`)."""
-        if self._detached is None:  # (not started)
-            return method.remote(*args)
+        :mod:`deployments.frontend.detached_calls`; set by start(), before any worker
+        exists to call)."""
         return self._detached.submit(method, *args)
 
     def _deliver(self, out: EngineCoreOutput) -> None:
