@@ -102,7 +102,16 @@ def _generation_eos(runner) -> frozenset[int]:
 class EngineCore:
     """Target model + the scheduling loop of one replica (a threaded Ray actor)."""
 
-    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"control": 2, "push": 1, "poll": 1}
+    # "requests": one thread, so that a caller's add_requests and abort run in the order it
+    # sent them (Ray hands an in-order actor's calls to their group in that order; with two
+    # threads an abort sent while its add was running could take the lock first, and the
+    # add then cleared it: the request generated to max_tokens for a client long gone).
+    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {
+        "control": 2,
+        "requests": 1,
+        "push": 1,
+        "poll": 1,
+    }
     MAX_FAILURES_IN_A_ROW = 16
 
     def __init__(self, config: EngineCoreConfig):
@@ -224,7 +233,7 @@ class EngineCore:
             info["ranks"] = self.ranks
         return info
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="requests")
     def add_requests(self, items: list[EngineCoreRequest]) -> None:
         """Start requests; one with output tokens resumes after them (a replaced core)."""
         with self._cv:
@@ -239,7 +248,7 @@ class EngineCore:
             self._new.extend(items)
             self._cv.notify_all()
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="requests")
     def abort(self, seq_ids: list[Hashable]) -> None:
         with self._cv:
             self._aborts.update(seq_ids)

@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from deployments.config import EngineConfig
+from deployments.core.engine_core import EngineCore
 from deployments.frontend.detached_calls import DetachedCalls
 from deployments.frontend.engine_client import EngineClient, EngineError
 from deployments.messages import DriftAlert, EngineCoreRequest
@@ -672,6 +673,64 @@ def test_a_requests_detached_calls_outlive_its_cancellation(ray_local):
     assert ray.get(replica.result.remote("detached")) == "detached"
     # (Whether the worker still ran the cancelled one is Ray's best effort: on a loaded
     # host its cancel can reach the worker after the gate opened.)
+
+
+# How long an add waits for an abort that a one-thread group must hold back (wall time
+# only: the worker's thread waits on an event, no CPU).
+ABORT_WINDOW_S = 10.0
+
+
+class _AddThenAbort:
+    """The core's request calls in miniature: ``add`` holds its thread until an ``abort``
+    has run (or ``window_s`` passed), then records itself; ``abort`` records itself. An
+    actor class per group size, as the engine makes the core's (``ray.remote`` with the
+    groups; ``.options()`` cannot set them)."""
+
+    def __init__(self):
+        self.order, self.adding, self.aborted = [], threading.Event(), threading.Event()
+
+    @ray.method(concurrency_group="requests")
+    def add(self, window_s: float) -> None:
+        self.adding.set()
+        self.aborted.wait(window_s)
+        self.order.append("add")
+
+    @ray.method(concurrency_group="requests")
+    def abort(self) -> None:
+        self.order.append("abort")
+        self.aborted.set()
+
+    @ray.method(concurrency_group="io")
+    def is_adding(self) -> bool:
+        return self.adding.is_set()
+
+    @ray.method(concurrency_group="io")
+    def ran(self) -> list[str]:
+        return list(self.order)
+
+
+def test_the_cores_adds_and_aborts_share_a_group_of_one_thread():
+    """Ray hands a caller's calls to an in-order actor's groups in the order sent; only a
+    one-thread group also runs them in that order (see the next test)."""
+    group = EngineCore.add_requests.__ray_concurrency_group__
+    assert EngineCore.abort.__ray_concurrency_group__ == group
+    assert EngineCore.CONCURRENCY_GROUPS[group] == 1
+
+
+@pytest.mark.parametrize("threads", [EngineCore.CONCURRENCY_GROUPS["requests"], 2])
+def test_an_abort_sent_while_its_add_runs_runs_after_it(ray_local, threads):
+    """A client that leaves while its request's add is running: its abort, sent next, must
+    run after the add (the add clears aborts left from an earlier request of that id). In
+    the core's group it waits for the add; in a group of two threads (the wrong twin: the
+    core's old layout) it runs first, and the request would have generated to the end."""
+    actor = ray.remote(concurrency_groups={"requests": threads, "io": 1})(_AddThenAbort)
+    worker = actor.remote()
+    add = worker.add.remote(ABORT_WINDOW_S)
+    wait_for(lambda: ray.get(worker.is_adding.remote()), 30, "the add to start")
+    abort = worker.abort.remote()
+    ray.get([add, abort], timeout=60)
+    expected = ["add", "abort"] if threads == 1 else ["abort", "add"]
+    assert ray.get(worker.ran.remote()) == expected
 
 
 @pytest.mark.parametrize("shape", ["actor", "colocated"])
