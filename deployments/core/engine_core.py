@@ -18,8 +18,8 @@ The loop is the one that executes; it asks the :class:`~deployments.core.schedul
 what to run (admission on free KV slots, draft lengths) and talks to the draft through a
 :class:`~deployments.core.draft_link.DraftLink` (an actor, or colocated). Admissions and
 aborts arrive as messages between rounds. Every call into this actor runs in a
-concurrency group of its own (control, push, poll), so a long-poll never blocks a push,
-and all of them run while the loop thread is inside torch (which releases the GIL).
+concurrency group of its own (control, requests, push, poll), so a long-poll never blocks a
+push, and all of them run while the loop thread is inside torch (which releases the GIL).
 Every message in and out is a named type of :mod:`deployments.messages`.
 """
 
@@ -106,6 +106,8 @@ class EngineCore:
     # sent them (Ray hands an in-order actor's calls to their group in that order; with two
     # threads an abort sent while its add was running could take the lock first, and the
     # add then cleared it: the request generated to max_tokens for a client long gone).
+    # That order holds while the actor stays in order: no max_concurrency,
+    # allow_out_of_order_execution or task retries in its options (worker_launch).
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {
         "control": 2,
         "requests": 1,

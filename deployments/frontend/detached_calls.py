@@ -12,11 +12,12 @@ cancelled with it:
   ``finally``: cancelled, the sequence generates on to ``max_tokens`` with nobody reading;
 - the *add* of a request, awaited by the request.
 
-Worse, the core is an in-order actor (a thread per concurrency group, each caller's calls
-numbered per group): a call cancelled before it reached the core leaves a hole in the
-numbering, and the core waits 30 s for it, then fails every call queued behind it (CI, a
-key-limits test: ``Timed out waiting for seq_no 12 ... Cancelling all queued tasks``, the
-next request of another client hung for the 60 s of its timeout).
+Worse, the core is an in-order actor (each caller's calls numbered in the order sent,
+then run by their concurrency group's threads): a call cancelled before it reached the
+core leaves a hole in the numbering, and the core waits 30 s for it, then fails every
+call queued behind it (CI, a key-limits test: ``Timed out waiting for seq_no 12 ...
+Cancelling all queued tasks``, the next request of another client hung for the 60 s of
+its timeout).
 
 :class:`DetachedCalls` submits such calls in the context the engine started in (the
 replica's constructor, a call that has ended and is never cancelled), so that Ray counts
