@@ -106,7 +106,8 @@ class ModelSpec(_Strict):
         default="~/.cache/specserve/torch-compile",
         description="Where compiled graphs are kept across restarts (a directory per torch "
         "and transformers version under it), so a restarted worker loads them instead of "
-        "compiling again.",
+        "compiling again. Their C++ kernels are keyed by the path of the torch installation: "
+        "a virtualenv elsewhere compiles them again (docs/models.md).",
     )
     tensor_parallel_size: int = Field(
         default=1,
