@@ -782,10 +782,12 @@ def test_what_the_core_cannot_carry_is_refused_with_the_field(
 ):
     """Through the Python handle, past the HTTP layer's checks: a request id that is not a
     string, and a stop token id outside the vocabulary (2**64 would not even encode), are
-    refused naming their field, while a normal request in flight finishes unchanged."""
+    refused naming their field, while a normal request in flight finishes unchanged. (The
+    draft colocated, as in the other tests of the frontend's and core's checks: a process
+    fewer to start, and where the draft runs changes nothing they check.)"""
     from deployments.frontend.request_state import InvalidRequestError
 
-    cfg = config(tiny_target, tiny_draft)
+    cfg = config(tiny_target, tiny_draft, "colocated")
 
     async def body(engine):
         normal = asyncio.ensure_future(collect(engine, PROMPTS[0], GREEDY))
@@ -807,7 +809,7 @@ def test_what_the_core_cannot_carry_is_refused_with_the_field(
 
 
 def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
-    cfg = config(tiny_target, tiny_draft)
+    cfg = config(tiny_target, tiny_draft, "colocated")
 
     async def body(engine):
         first = asyncio.ensure_future(collect(engine, PROMPTS[0], GREEDY, request_id="same"))
@@ -1423,7 +1425,8 @@ def test_a_finished_request_is_handed_on_when_the_consumer_stops_at_its_end(
     finished = []
 
     async def body():
-        engine = EngineClient(config(tiny_target, tiny_draft), on_finished=finished.append)
+        cfg = config(tiny_target, tiny_draft, "colocated")  # (the frontend's path)
+        engine = EngineClient(cfg, on_finished=finished.append)
         await engine.start()
         try:
             stream = engine.generate(PROMPTS[0], GREEDY)
