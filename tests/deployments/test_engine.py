@@ -478,9 +478,10 @@ def _joined(outputs, attr: str) -> list:
 
 
 def test_target_killed_without_restarts_fails_cleanly(ray_local, tiny_target, tiny_draft):
-    cfg = config(
-        tiny_target, tiny_draft, faults={"max_target_restarts": 0, "restart_timeout_s": 60}
-    )
+    """With no restarts left, the target's death fails its requests and refuses new ones
+    with the reason. (The draft colocated: it dies with the target, a process fewer.)"""
+    faults = {"max_target_restarts": 0, "restart_timeout_s": 60}
+    cfg = config(tiny_target, tiny_draft, "colocated", faults=faults)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def body(engine):
