@@ -599,10 +599,10 @@ def test_speculation_after_target_only_requests(ray_local, tiny_target, tiny_dra
     assert last.stats.drafted > 0 and timings["draft_timeouts"] == 0
 
 
-@ray.remote(concurrency_groups={"work": 1, "io": 1})
 class _InOrderWorker:
-    """An in-order actor, as the core: its "work" calls run one at a time, in the order
-    each caller submitted them; ``block`` holds the others queued until ``release``."""
+    """An in-order actor, as the core: its "work" calls reach the group's threads in the
+    order each caller submitted them; ``block`` holds its thread until ``release`` (with
+    one thread, every later call stays queued). Made by :func:`in_order_worker`."""
 
     def __init__(self):
         self.gate, self.blocking, self.ran = threading.Event(), threading.Event(), []
@@ -627,6 +627,12 @@ class _InOrderWorker:
         ran = list(self.ran)
         self.gate.set()
         return ran
+
+
+def in_order_worker(threads: int = 1):
+    """An :class:`_InOrderWorker` whose "work" group has ``threads`` threads (groups are
+    set by ``ray.remote``, as the engine makes the core's; ``.options()`` cannot)."""
+    return ray.remote(concurrency_groups={"work": threads, "io": 1})(_InOrderWorker).remote()
 
 
 @ray.remote
@@ -658,7 +664,7 @@ def test_a_requests_detached_calls_outlive_its_cancellation(ray_local):
     ``direct``), but not those submitted through DetachedCalls, as the engine submits its
     adds and aborts (a cancelled abort left the sequence generating, and one cancelled
     before it reached the in-order core stalled the core's calls for 30 s)."""
-    worker, replica = _InOrderWorker.remote(), _Replica.remote()
+    worker, replica = in_order_worker(), _Replica.remote()
     ray.get(replica.start.remote(worker))
     worker.block.remote()
     assert wait_for(lambda: ray.get(worker.is_blocking.remote()), 30, "the worker to block")
@@ -676,39 +682,10 @@ def test_a_requests_detached_calls_outlive_its_cancellation(ray_local):
     # host its cancel can reach the worker after the gate opened.)
 
 
-# How long an add waits for its abort (wall time only: the worker's thread waits on an
-# event). A one-thread group holds the abort back for the whole window; with two threads it
+# How long an abort is given to run while its add holds the group's thread (wall time only:
+# nothing runs). A one-thread group holds it back for the whole window; with two threads it
 # runs at once and ends the wait, so that window can be long and cost nothing.
 ABORT_WINDOW_S = {1: 4.0, 2: 60.0}
-
-
-class _AddThenAbort:
-    """The core's request calls in miniature: ``add`` holds its thread until an ``abort``
-    has run (or ``window_s`` passed), then records itself; ``abort`` records itself. An
-    actor class per group size, as the engine makes the core's (``ray.remote`` with the
-    groups; ``.options()`` cannot set them)."""
-
-    def __init__(self):
-        self.order, self.adding, self.aborted = [], threading.Event(), threading.Event()
-
-    @ray.method(concurrency_group="requests")
-    def add(self, window_s: float) -> None:
-        self.adding.set()
-        self.aborted.wait(window_s)
-        self.order.append("add")
-
-    @ray.method(concurrency_group="requests")
-    def abort(self) -> None:
-        self.order.append("abort")
-        self.aborted.set()
-
-    @ray.method(concurrency_group="io")
-    def is_adding(self) -> bool:
-        return self.adding.is_set()
-
-    @ray.method(concurrency_group="io")
-    def ran(self) -> list[str]:
-        return list(self.order)
 
 
 def test_the_cores_adds_and_aborts_share_a_group_of_one_thread():
@@ -721,18 +698,19 @@ def test_the_cores_adds_and_aborts_share_a_group_of_one_thread():
 
 @pytest.mark.parametrize("threads", [EngineCore.CONCURRENCY_GROUPS["requests"], 2])
 def test_an_abort_sent_while_its_add_runs_runs_after_it(ray_local, threads):
-    """A client that leaves while its request's add is running: its abort, sent next, must
-    run after the add (the add clears aborts left from an earlier request of that id). In
-    the core's group it waits for the add; in a group of two threads (the wrong twin: the
-    core's old layout) it runs first, and the request would have generated to the end."""
-    actor = ray.remote(concurrency_groups={"requests": threads, "io": 1})(_AddThenAbort)
-    worker = actor.remote()
-    add = worker.add.remote(ABORT_WINDOW_S[threads])
-    wait_for(lambda: ray.get(worker.is_adding.remote()), 30, "the add to start")
-    abort = worker.abort.remote()
-    ray.get([add, abort], timeout=120)
-    expected = ["add", "abort"] if threads == 1 else ["abort", "add"]
-    assert ray.get(worker.ran.remote()) == expected
+    """A client that leaves while its request's add is running (``block``): its abort
+    (``ping``), sent next, must run after the add (the add clears aborts left from an
+    earlier request of that id). In the core's group it waits for the add; in a group of
+    two threads (the wrong twin: the core's old layout) it runs first, and the request
+    would have generated to the end."""
+    worker = in_order_worker(threads)
+    worker.block.remote()
+    wait_for(lambda: ray.get(worker.is_blocking.remote()), 30, "the add to start")
+    abort = worker.ping.remote("abort")
+    ray.wait([abort], timeout=ABORT_WINDOW_S[threads])
+    ran_during_add = ray.get(worker.release.remote())
+    assert ran_during_add == ([] if threads == 1 else ["abort"])
+    assert ray.get(abort, timeout=60) == "abort"
 
 
 @pytest.mark.parametrize("shape", ["actor", "colocated"])
