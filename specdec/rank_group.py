@@ -96,6 +96,16 @@ IDLE_WAIT = timedelta(days=365)
 JOIN_TIMEOUT_S = 600.0
 
 
+def numbered(device: torch.device, current: Callable[[], int] | None = None) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` (what a worker whose GPU Ray assigned
+    asks for) is the process's current CUDA device (``current``, torch's by default), the
+    rank's own GPU under the ``CUDA_VISIBLE_DEVICES`` Ray sets. ``torch.cuda.set_device``
+    refuses a CUDA device without an index, so a split model on a GPU could not start."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", (current or torch.cuda.current_device)())
+
+
 class RankGroup:
     """This process's place in a group of ``world_size`` ranks (one per device), joined
     through ``init_method`` (``tcp://host:port`` of rank 0) within ``join_timeout_s``.
@@ -112,7 +122,7 @@ class RankGroup:
         join_timeout_s: float = JOIN_TIMEOUT_S,
     ):
         self.rank, self.world_size = rank, world_size
-        self.device = torch.device(device)
+        self.device = numbered(torch.device(device))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":  # NCCL works on the current device: this rank's
             torch.cuda.set_device(self.device)
@@ -284,23 +294,31 @@ def follow(runner, group: RankGroup, on_call: Callable[[RankCall], None] | None 
     ``runner`` until :data:`STOP`; returns the calls run. A call that raises here is logged
     and the loop goes on: rank 0's next message is then its :data:`CHECK` (whether every
     rank raised alike) if it raised too, or its next pass stalls on this rank's missing
-    sums until the timeout if this rank raised alone mid-pass (the group fails together)."""
-    done, raised = 0, False
+    sums until the timeout if this rank raised alone mid-pass (the group fails together).
+    A call that raised here alone after its last sum (rank 0 went on without a CHECK)
+    raises here: this rank's cache no longer matches rank 0's, and every later pass would
+    sum wrong shares in silence, so the group must fail together instead."""
+    done, raised = 0, None  # raised: the method of the last call, when it raised here
     while True:
         for call in group.receive():
             if not call.method:
                 return done
             if call.method == CHECK.method:
-                group.agree(raised)
+                group.agree(raised is not None)
+                raised = None  # (rank 0 goes on only where every rank raised alike)
                 continue
+            if raised is not None:
+                raise RuntimeError(
+                    f"rank {group.rank}: {raised} raised here but not on rank 0, which went "
+                    f"on to {call.method}: the ranks are out of step"
+                )
             if call.method not in MIRRORED:
                 raise ValueError(f"rank {group.rank}: {call.method!r} is not a mirrored call")
             try:
                 getattr(runner, call.method)(*call.args, **call.kwargs)
-                raised = False
             except Exception:
                 logger.exception("rank %d: %s raised", group.rank, call.method)
-                raised = True
+                raised = call.method
             done += 1
             if on_call is not None:
                 on_call(call)

@@ -18,7 +18,7 @@ the plan's top-level entries for them are not used).
 
 KV heads: with ``N`` ranks and ``H`` query heads, each rank holds ``H / N`` query heads. It
 holds ``KV / N`` key/value heads where ``N`` divides ``KV``; where ``KV`` divides ``N``
-(Llama 3 70B: 8 KV heads at TP = 16; Qwen 2.5 0.5B: 2 KV heads at TP = 4), each rank holds
+(Llama 3 70B: 8 KV heads at TP = 16; Qwen 2.5 3B: 2 KV heads at TP = 4), each rank holds
 the one KV head its query heads read, so each KV head lives on ``N / KV`` ranks (as vLLM
 replicates them). Pure torch, no process group.
 """

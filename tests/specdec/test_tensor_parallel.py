@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdec.generate import generate_autoregressive, generate_speculative
 from specdec.proposers import DraftModelProposer
-from specdec.rank_group import DEFERRED, MIRRORED, free_port, lead, run_rank
+from specdec.rank_group import DEFERRED, MIRRORED, free_port, lead, numbered, run_rank
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.shard_loading import load_shard
@@ -35,13 +35,14 @@ SIX_HEADS = {"hidden_size": 96, "num_attention_heads": 6}
 
 
 @contextmanager
-def two_ranks(model: str, timeout_s: float = 30.0, **kwargs):
+def two_ranks(model: str, timeout_s: float = 30.0, follower: type = ModelRunner, **kwargs):
     """A runner of ``model`` split over two ranks: rank 0 here (yielded with rank 1's
-    process), rank 1 in a spawned process following it."""
+    process), rank 1 (a ``follower``) in a spawned process following it."""
     make = partial(ModelRunner, model, **{**RUNNER, **kwargs})
+    make_follower = partial(follower, model, **{**RUNNER, **kwargs})
     init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     child = multiprocessing.get_context("spawn").Process(
-        target=run_rank, args=(make, 1, 2, init, "cpu", timeout_s), daemon=True
+        target=run_rank, args=(make_follower, 1, 2, init, "cpu", timeout_s), daemon=True
     )
     child.start()
     split = None
@@ -304,6 +305,46 @@ def test_a_call_that_fails_on_every_rank_leaves_the_group_in_step(family_models)
         split.stop_followers()
         child.join(30)
         assert child.exitcode == 0
+
+
+class RaisesAfterItsSums(ModelRunner):
+    """Rank 1's runner below: its second decode pass runs whole, its sums with rank 0's
+    included, then raises on this rank alone, as an out-of-memory error in what follows
+    the last sum (the logits' float copy) would. (Spawned: found by its module's name.)"""
+
+    passes = 0
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        type(self).passes += 1
+        if type(self).passes == 2:
+            raise MemoryError("after its last sum, on rank 1 alone")
+        return out
+
+
+def test_a_call_that_fails_on_one_rank_after_its_sums_fails_the_group(family_models):
+    """Rank 1 raises after its pass's last sum, so rank 0's pass returns and rank 0 goes
+    on without a check: rank 1 may now hold a cache out of step with rank 0's, and every
+    later sum would mix wrong shares in silence. Its loop fails at rank 0's next call
+    instead, and rank 0's next pass raises: the group fails together."""
+    target_dir = family_models["llama3"][0]
+    with two_ranks(target_dir, timeout_s=10.0, follower=RaisesAfterItsSums) as (split, child):
+        split.prefill(["a"], [[1, 2, 3]])
+        split.forward(["a"], [[4]])
+        split.forward(["a"], [[5]])  # rank 1 raises after its sums; rank 0 returns
+        with pytest.raises(RuntimeError):
+            split.forward(["a"], [[6]])
+        assert split.broken
+        child.join(30)
+        assert child.exitcode not in (None, 0)  # rank 1's loop raised: it left the group
+
+
+def test_a_bare_cuda_device_is_the_current_one():
+    """A worker whose GPU Ray assigned asks for ``cuda``: its group joins on the current
+    CUDA device, with the index ``torch.cuda.set_device`` needs; other devices as given."""
+    assert numbered(torch.device("cuda"), current=lambda: 3) == torch.device("cuda", 3)
+    assert numbered(torch.device("cuda", 1), current=lambda: 3) == torch.device("cuda", 1)
+    assert numbered(torch.device("cpu")) == torch.device("cpu")
 
 
 def test_a_rank_that_hangs_fails_the_pass_at_the_timeout(family_models):
