@@ -407,6 +407,16 @@ class FaultConfig(_Strict):
         "of its own wait). A worker that does not answer in time is treated as dead and "
         "replaced.",
     )
+    iteration_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Most seconds one iteration of the engine core's loop may take (a "
+        "round, a prefill of max_num_batched_tokens, a colocated draft's new weights). A "
+        "core stalled for longer (a stuck device call: its process still answers polls) is "
+        "replaced, its requests resumed from their committed tokens. Keep it above the "
+        "longest pass on your hardware and above rank_timeout_s (a hung rank is then "
+        "reported as one).",
+    )
     liveness_period_s: float = Field(
         default=5.0,
         gt=0,

@@ -164,7 +164,7 @@ class SpeculationWidth:
         """Branches per sequence per batch bucket narrowed or grown so far (for stats;
         a bucket not listed is at its start: ``max_width`` for one sequence, else
         ``start_width``)."""
-        return dict(sorted(self._widths.items()))
+        return dict(sorted(list(self._widths.items())))  # (a copy first: see goodput)
 
     def should_speculate(self, num_seqs: int) -> bool:
         """Measure both choices in turns, then take the better one until the next
@@ -214,10 +214,13 @@ class SpeculationWidth:
         sums[2] += 1
 
     def goodput(self) -> dict[int, dict[str, float]]:
-        """Measured tokens/s per batch bucket, with and without speculation (for stats)."""
+        """Measured tokens/s per batch bucket, with and without speculation (for stats).
+        Read from another thread than the loop's, which adds buckets: over copies (one
+        ``list`` of a dict is one step under the GIL; iterating the dict itself raised
+        when a bucket was added meanwhile)."""
         return {
-            bucket: {("on" if c else "off"): round(r, 2) for c, r in b.rates.items()}
-            for bucket, b in self._buckets.items()
+            bucket: {("on" if c else "off"): round(r, 2) for c, r in list(b.rates.items())}
+            for bucket, b in list(self._buckets.items())
         }
 
     def observe_speculation(

@@ -297,8 +297,8 @@ class ActorDraftLink(DraftLink):
             items = full_items()
         if not items and not freed:
             return True  # (a first message stays first until one is sent: target-only rounds)
-        with self._cv:
-            if self._draft is draft:
+        with self._cv:  # (only a first message clears it: a break seen since sets it again)
+            if first and self._draft is draft:
                 self._first = False
         self._msg_no += 1
         msg = DraftRoundMessage(self._msg_no, first, self.round, items, freed, feedback)

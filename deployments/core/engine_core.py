@@ -160,6 +160,10 @@ class EngineCore:
         self.failed_requests = 0  # failed alone, each with its own error (see _fail)
         self._failures_in_a_row = 0
         self._stopped = False
+        # time.monotonic() when the loop began what it is doing now; None while it waits for
+        # work (or warms up): a hung iteration (a stuck device call) shows in the polls'
+        # stalled_s, which this thread's hang cannot stop the poll thread from answering.
+        self._busy_since: float | None = None
         # Compiling the models' graphs (execution_mode torch_compile) is the loop thread's
         # first work: requests that come meanwhile wait in the queue, /health says warming.
         self.warming = True
@@ -350,6 +354,7 @@ class EngineCore:
             "error": self.error,
             "failed_requests": self.failed_requests,
             "loop_alive": self._thread.is_alive(),
+            "stalled_s": self.stalled_s(),  # on its current iteration [s]
             # the actor transport's route to the draft: channel connected, messages by route
             "draft_channel": (
                 {"connected": channel.connected, "sent": dict(channel.sent)}
@@ -422,7 +427,15 @@ class EngineCore:
             if not self._outbox and not self.error:
                 self._out_cv.wait(timeout_s)
             cursor = self._out_base + len(self._outbox)
-            return encode(EngineCoreOutputs(cursor, self._outbox, self.error))
+            return encode(EngineCoreOutputs(cursor, self._outbox, self.error, self.stalled_s()))
+
+    def stalled_s(self) -> float:
+        """Seconds the loop has spent on its current iteration: a round, admissions'
+        prefills, a draft's new weights (0 while it waits for work, and while it warms
+        up). The frontend replaces a core whose loop has stalled for longer than
+        ``faults.iteration_timeout_s``."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     # ----- the loop -------------------------------------------------------------------------
 
@@ -465,6 +478,7 @@ class EngineCore:
         """schedule (aborts, admissions) -> run (a round) -> postprocess (in the round)."""
         sched = self.scheduler
         while not self._stopped:
+            self._busy_since = time.monotonic()  # (see stalled_s)
             with self._cv:
                 while not (sched.running or self._new or self._aborts or sched.waiting):
                     if self._stopped:
@@ -473,7 +487,9 @@ class EngineCore:
                         self.draft_weights.take(self.link.rounds.load_weights)
                         continue
                     self._last_round_end = None  # idle time is no round's
+                    self._busy_since = None
                     self._cv.wait()
+                    self._busy_since = time.monotonic()
                 if self.draft_weights.waiting:
                     self.draft_weights.take(self.link.rounds.load_weights)
                 version = max(self._draft_version, self.draft_weights.version)

@@ -599,7 +599,7 @@ class EngineClient:
                 raise
             except (TimeoutError, RayActorError) as exc:
                 logger.warning("target worker failed or hung: %r", exc)
-                if not await self._replace_target():
+                if not await self._replace_target("died"):
                     return
                 cursor = 0
                 continue
@@ -612,12 +612,26 @@ class EngineClient:
             if error:
                 self._fail(f"engine failure: {error}")
                 return
+            if stalled := self._stalled(polled.stalled_s):  # its loop hangs; it answers
+                logger.warning("target worker %s: replacing it", stalled)
+                if not await self._replace_target(stalled):
+                    return
+                cursor = 0
+                continue
             # While the core warms up its figures are read at every poll, so /health says
             # "ok" as soon as the first outputs show the warm-up is over.
             warming = self._core_health.get("warming", False)
             if not outs or warming or time.monotonic() - self._core_health_at > HEALTH_EVERY_S:
                 self._core_health_at = time.monotonic()
                 await self._refresh_health()
+
+    def _stalled(self, stalled_s: float) -> str | None:
+        """Why the core counts as hung, from how long its loop has spent on one iteration
+        (None: it has not)."""
+        limit = self.config.faults.iteration_timeout_s
+        if stalled_s <= limit:
+            return None
+        return f"made no progress for {stalled_s:.0f} s (faults.iteration_timeout_s={limit:g})"
 
     async def _poll_once(self, cursor: int):
         """One long-poll: over the direct channel where it works, else a Ray call."""
@@ -631,14 +645,23 @@ class EngineClient:
 
     async def _refresh_health(self) -> None:
         """The core's batch and KV figures, and the draft actor's KV (for /health); a
-        worker that does not answer keeps its last figures (its watcher handles it)."""
-        with contextlib.suppress(RayActorError, asyncio.TimeoutError):
+        worker that does not answer, or whose answer raised, keeps its last figures (its
+        watcher handles it). Never raises: the output poll that calls it must live on."""
+        try:
             self._core_health = await self._call(self.target.health.remote())
+        except (TimeoutError, RayActorError):
+            pass
+        except Exception as exc:  # (a RayTaskError: the call raised in the core)
+            logger.warning("engine core health failed: %r", exc)
         draft = self.draft
         if draft is not None:
-            with contextlib.suppress(RayActorError, asyncio.TimeoutError):
+            try:
                 stats = await self._call(draft.stats.remote())
                 self._draft_kv, self._draft_tp = stats["kv_cache"], stats["tensor_parallel"]
+            except (TimeoutError, RayActorError):
+                pass
+            except Exception as exc:
+                logger.warning("draft worker stats failed: %r", exc)
 
     def _fail(self, message: str) -> None:
         self._fatal = message
@@ -651,8 +674,9 @@ class EngineClient:
         f = self.config.faults
         return min(f.restart_backoff_max_s, f.restart_backoff_s * 2 ** max(0, failures - 1))
 
-    async def _replace_target(self) -> bool:
-        """Start a new core, reconnect the draft, resume every request; False if fatal.
+    async def _replace_target(self, reason: str) -> bool:
+        """Start a new core, reconnect the draft, resume every request; False if fatal
+        (the requests then fail with ``reason``: "died", or how the core hung).
 
         Requests that arrive meanwhile wait in ``_requests`` (``_replacing_target``): the
         snapshot of live requests and the end of that state happen with no await between
@@ -664,7 +688,7 @@ class EngineClient:
             if self._target_restarts >= self.config.faults.max_target_restarts:
                 self._replacing_target = False
                 self._fail(
-                    f"target worker died and was not restarted "
+                    f"target worker {reason} and was not restarted "
                     f"(max_target_restarts={self.config.faults.max_target_restarts})"
                 )
                 return False

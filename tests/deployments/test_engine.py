@@ -963,6 +963,43 @@ def test_a_hung_worker_is_replaced_and_requests_complete(
     assert again == reference[tuple(PROMPTS[5])] and last.stats.drafted > 0
 
 
+def test_a_core_whose_loop_stalls_is_replaced_and_its_requests_end_saying_why(ray_local):
+    """A core whose loop spends longer on one iteration than ``faults.iteration_timeout_s``
+    is replaced, though its process still answers every poll (as when a device call
+    hangs: a SIGSTOP, above, stops the polls too); one that stalls again past
+    ``max_target_restarts`` ends its requests with an error naming the stall, never a
+    hang. The stall here is real work against a tight limit: one iteration prefills 16
+    prompts of 1000 tokens of the demo target (two passes of 8192 tokens, seconds on a
+    CPU) against 0.2 s, and the polls come at most 1 s apart."""
+    cfg = EngineConfig.model_validate(
+        {
+            "target": {"model": DEMO_TARGET, "num_threads": 1, **EAGER},
+            "scheduler": {"max_num_seqs": 16},
+            "target_resources": {"num_cpus": 1},
+            "faults": {
+                "iteration_timeout_s": 0.2,
+                "max_target_restarts": 1,
+                "restart_timeout_s": 120,
+            },
+        }
+    )
+    prompts = [[5 + (31 * i + 7 * j) % 4000 for j in range(1000)] for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def body(engine):
+        runs = [collect(engine, p, params) for p in prompts]
+        async with asyncio.timeout(300):
+            ended = await asyncio.gather(*runs, return_exceptions=True)
+        return ended, engine.health()
+
+    ended, health = asyncio.run(with_engine(cfg, body))
+    assert health["target_restarts"] == 1, health
+    for result in ended:
+        assert isinstance(result, EngineError), result
+        assert "made no progress" in str(result), result
+        assert "faults.iteration_timeout_s=0.2" in str(result), result
+
+
 def test_absolute_position_pair_through_the_engine(ray_local, tiny_gpt2_target, tiny_gpt2_draft):
     """GPT-2 (learned absolute positions, 64-token context): ragged batches whose padded
     rows would run past the limit, and requests that fill the context exactly, give the
