@@ -86,7 +86,7 @@ OutputKind = Literal["delta", "final_only"]
 class EngineCoreRequest(msgspec.Struct, frozen=True):
     """Start a request in the core, or resume one a replaced core had committed tokens of."""
 
-    request_id: SeqId
+    request_id: SeqId  # the engine's id for it (the caller's, "#" and a count, when it gave one)
     prompt_token_ids: list[int]  # [prompt_len]
     output_token_ids: list[int]  # [committed]: non-empty resumes the request after them
     sampling_params: dict[str, Any]  # specdec.sampling.SamplingParams fields (asdict)

@@ -103,7 +103,7 @@ class EngineClient:
         self.draft_info: dict[str, Any] = {}
         self._target_restarts = 0
         self._draft_restarting: asyncio.Task | None = None
-        self._requests: dict[str, RequestState] = {}
+        self._requests: dict[str, RequestState] = {}  # by seq_id, the core's id
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self._fatal: str | None = None
@@ -490,13 +490,20 @@ class EngineClient:
     def _new_request(
         self, request_id, prompt_token_ids, params, plan, domain, output_kind
     ) -> RequestState:
-        """The request's state, registered under its id (refused if the id is in use)."""
+        """The request's state, registered under an id of the core's own (refused if the
+        caller's id is in use). The core knows a request by ``seq_id``, never by the
+        caller's id alone: a caller may use an id again as soon as its request ended, while
+        the core may still hold the old one (its abort not yet applied) or its last output
+        may still be on its way here, which would fail the new request or end it with the
+        old one's tokens."""
         if request_id is not None and not isinstance(request_id, str):
             # ids cross to the core as strings (deployments.messages.SeqId)
             raise InvalidRequestError("request_id must be a string", "request_id")
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._requests:
+        n = next(self._ids)
+        rid = request_id or f"req-{n}"
+        if any(r.request_id == rid for r in self._requests.values()):
             raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
+        seq_id = rid if request_id is None else f"{rid}#{n}"
         detok = (
             IncrementalDetokenizer(self.tokenizer, params.stop)
             if self.tokenizer is not None
@@ -504,6 +511,7 @@ class EngineClient:
         )
         req = RequestState(
             rid,
+            seq_id,
             list(prompt_token_ids),
             params,
             plan.k,
@@ -515,7 +523,7 @@ class EngineClient:
             auto_method=plan.auto_method,
             output_kind=output_kind,
         )
-        self._requests[rid] = req
+        self._requests[seq_id] = req
         return req
 
     async def _start_request(self, req: RequestState) -> None:
@@ -530,11 +538,11 @@ class EngineClient:
 
     def _end_request(self, req: RequestState) -> None:
         """Forget the request; one that did not finish is aborted in the core."""
-        self._requests.pop(req.request_id, None)
+        self._requests.pop(req.seq_id, None)
         if not req.finished:
             req.finished = True
             self.aborted += 1
-            self._abort([req.request_id])
+            self._abort([req.seq_id])
 
     def _abort(self, rids: list[str]) -> None:
         if self.target is not None and not self._fatal:
@@ -573,7 +581,7 @@ class EngineClient:
         req.finished = finished
         req.queue.put_nowait(
             RequestOutput(
-                rid,
+                req.request_id,
                 new,
                 finished,
                 reason,

@@ -53,7 +53,8 @@ class RequestOutput:
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # the caller's (in its outputs)
+    seq_id: str  # the core's: this engine's own, never reused (see EngineClient._new_request)
     prompt_token_ids: list[int]
     params: SamplingParams
     k: int  # the request's draft length, or the policy's cap when ``auto``
@@ -70,7 +71,7 @@ class RequestState:
     def core_request(self) -> EngineCoreRequest:
         """What the core needs to start, or resume, this request."""
         return EngineCoreRequest(
-            self.request_id,
+            self.seq_id,
             self.prompt_token_ids,
             list(self.output_token_ids),
             asdict(self.params),

@@ -787,7 +787,11 @@ def test_what_the_core_cannot_carry_is_refused_with_the_field(
     assert again == reference[tuple(PROMPTS[2])]
 
 
-def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
+def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft, reference):
+    """A request id in use is refused, by the engine and by the core; once its request
+    has ended, the caller may use it again at once (the core knows each request by an id
+    of the engine's own): the new request is neither refused because the core still held
+    the old one (its abort not yet applied) nor ended with the old one's tokens."""
     cfg = config(tiny_target, tiny_draft, "colocated")
 
     async def body(engine):
@@ -802,10 +806,16 @@ def test_duplicate_request_ids_are_refused(ray_local, tiny_target, tiny_draft):
                     EngineCoreRequest("twice", [6], [], {"max_tokens": 4}, 0, "default", False),
                 ]
             )
-        return await first
+        left = engine.generate(PROMPTS[3], GREEDY, request_id="again")
+        await anext(left)  # (running in the core)
+        await left.aclose()  # the client left: aborted
+        again = await collect(engine, PROMPTS[4], GREEDY, request_id="again")
+        return await first, again, await held_after(engine)
 
-    tokens, last = asyncio.run(with_engine(cfg, body))
+    (tokens, last), (again, again_last), held = asyncio.run(with_engine(cfg, body))
     assert len(tokens) == GREEDY.max_tokens and last.finished
+    assert again == reference[tuple(PROMPTS[4])] and again_last.request_id == "again"
+    assert_nothing_held(held)
 
 
 def _copy_model(src, dst, edit) -> str:
