@@ -410,12 +410,13 @@ class FaultConfig(_Strict):
     iteration_timeout_s: float = Field(
         default=60.0,
         gt=0,
-        description="Most seconds one iteration of the engine core's loop may take (a "
-        "round, a prefill of max_num_batched_tokens, a colocated draft's new weights). A "
-        "core stalled for longer (a stuck device call: its process still answers polls) is "
-        "replaced, its requests resumed from their committed tokens. Keep it above the "
-        "longest pass on your hardware and above rank_timeout_s (a hung rank is then "
-        "reported as one).",
+        description="Most seconds the engine core's loop may stay busy without committing a "
+        "model pass (one of max_num_batched_tokens at most; a colocated draft's new weights "
+        "count as one). A core stalled for longer (a stuck device call: its process still "
+        "answers polls) is replaced, its requests resumed from their committed tokens. Keep "
+        "it above the longest pass on your hardware; with a split target, above 3 x "
+        "rank_timeout_s, so that a hung rank is reported as one (either way the group is "
+        "replaced).",
     )
     liveness_period_s: float = Field(
         default=5.0,

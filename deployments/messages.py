@@ -128,8 +128,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True):
     cursor: int  # pass it back next time: outputs before it are acknowledged and dropped
     outputs: list[EngineCoreOutput]
     error: str | None = None  # the core's loop failed: every request ends with it
-    # how long the core's loop has spent on its current iteration, 0 while it waits for
-    # work: a stuck device call leaves the polls answered but this growing [s]
+    # how long the core's loop has been busy without committing a model pass, 0 while it
+    # waits for work: a stuck device call leaves the polls answered but this growing [s]
     stalled_s: float = 0.0
 
 

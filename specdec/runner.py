@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -141,6 +142,8 @@ class ModelRunner:
         # Tokens one prefill pass may carry, padding included (rows x longest append): a
         # batch of long prompts runs as several passes, so activations stay bounded.
         self.max_num_batched_tokens = max_num_batched_tokens
+        # time.monotonic() when the last pass committed: progress, for a watchdog to read
+        self.last_pass_at = 0.0
         # Rows of the LM head (logits width) and of the input embedding (ids it can read):
         # either may be padded past the tokenizer's size (Qwen 2.5: 151936 or 152064 rows).
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -1141,6 +1144,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Record the rows' new lengths and return their float32 logits in the caller's
         row order: ``[batch, n, vocab]``, or ``[batch, vocab]`` with ``last_only``."""
+        self.last_pass_at = time.monotonic()
         batch = len(plan.slots)
         if last_only and logits.shape[1] != 1:
             # [batch, m, vocab]: every row's last position kept for all rows (transformers

@@ -161,7 +161,7 @@ class EngineCore:
         self._failures_in_a_row = 0
         self._stopped = False
         # time.monotonic() when the loop began what it is doing now; None while it waits for
-        # work (or warms up): a hung iteration (a stuck device call) shows in the polls'
+        # work (or warms up): a hung loop (a stuck device call) shows in the polls'
         # stalled_s, which this thread's hang cannot stop the poll thread from answering.
         self._busy_since: float | None = None
         # Compiling the models' graphs (execution_mode torch_compile) is the loop thread's
@@ -354,7 +354,7 @@ class EngineCore:
             "error": self.error,
             "failed_requests": self.failed_requests,
             "loop_alive": self._thread.is_alive(),
-            "stalled_s": self.stalled_s(),  # on its current iteration [s]
+            "stalled_s": self.stalled_s(),  # busy without a pass committed [s]
             # the actor transport's route to the draft: channel connected, messages by route
             "draft_channel": (
                 {"connected": channel.connected, "sent": dict(channel.sent)}
@@ -430,12 +430,18 @@ class EngineCore:
             return encode(EngineCoreOutputs(cursor, self._outbox, self.error, self.stalled_s()))
 
     def stalled_s(self) -> float:
-        """Seconds the loop has spent on its current iteration: a round, admissions'
-        prefills, a draft's new weights (0 while it waits for work, and while it warms
-        up). The frontend replaces a core whose loop has stalled for longer than
-        ``faults.iteration_timeout_s``."""
+        """Seconds the loop has gone, busy, without a model pass committed: since the
+        later of its current iteration's start and the last pass (0 while it waits for
+        work, and while it warms up). Progress is counted in passes, not iterations: one
+        iteration may prefill every request a replaced core resumes. The frontend
+        replaces a core stalled for longer than ``faults.iteration_timeout_s``."""
         since = self._busy_since
-        return 0.0 if since is None else time.monotonic() - since
+        if since is None:
+            return 0.0
+        last = self.runner.last_pass_at
+        if self.draft_runner is not None:
+            last = max(last, self.draft_runner.last_pass_at)
+        return time.monotonic() - max(since, last)
 
     # ----- the loop -------------------------------------------------------------------------
 
@@ -446,6 +452,7 @@ class EngineCore:
             self._warm_up()
             self._loop()
         except Exception as exc:  # Ray does not see this thread: surface the error
+            self._busy_since = None  # (not stalled: failed, which the error says)
             logger.exception("engine core loop failed")
             if self.ranks:  # a pass failed mid-way: the group is out of step for good
                 self._exit_with_group()

@@ -290,6 +290,12 @@ class EngineClient:
         loads the same version (``full`` for an update)."""
         if self.config.draft is None:
             raise EngineError("this engine serves without a draft model")
+        if isinstance(weights, LowRankUpdate) and full is not None:
+            # The whole, kept for replacements, in a copy this replica owns: an object is
+            # lost with the process that put it (the adaptation replica, which may
+            # restart), and no replacement could load this version then. (Fetched before
+            # the lock: a replacement's reload waits on it.)
+            full = ray.put(await full)
         async with self._weights_lock:
             served = self._draft_weights[0] if self._draft_weights else 0
             if version <= served:

@@ -36,6 +36,7 @@ def test_defaults_and_model_name():
         {"speculation": {"proposers": ["ngram", "ngram"]}},
         {"speculation": {"proposers": ["eagle"]}},
         {"speculation": {"ngram_min": 3, "ngram_max": 2}},
+        {"faults": {"iteration_timeout_s": 0}},
     ],
 )
 def test_invalid_configs_are_rejected(bad):
