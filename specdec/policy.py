@@ -164,7 +164,7 @@ class SpeculationWidth:
         """Branches per sequence per batch bucket narrowed or grown so far (for stats;
         a bucket not listed is at its start: ``max_width`` for one sequence, else
         ``start_width``)."""
-        return dict(sorted(list(self._widths.items())))  # (a copy first: see goodput)
+        return dict(sorted(self._widths.items()))  # (sorted copies the items in one step)
 
     def should_speculate(self, num_seqs: int) -> bool:
         """Measure both choices in turns, then take the better one until the next

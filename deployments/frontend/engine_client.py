@@ -640,8 +640,8 @@ class EngineClient:
                 await self._refresh_health()
 
     def _stalled(self, stalled_s: float) -> str | None:
-        """Why the core counts as hung, from how long its loop has spent on one iteration
-        (None: it has not)."""
+        """Why the core counts as hung, from how long its loop has been busy without
+        committing a model pass (None: it has not)."""
         limit = self.config.faults.iteration_timeout_s
         if stalled_s <= limit:
             return None
@@ -661,21 +661,23 @@ class EngineClient:
         """The core's batch and KV figures, and the draft actor's KV (for /health); a
         worker that does not answer, or whose answer raised, keeps its last figures (its
         watcher handles it). Never raises: the output poll that calls it must live on."""
-        try:
-            self._core_health = await self._call(self.target.health.remote())
-        except (TimeoutError, RayActorError):
-            pass
-        except Exception as exc:  # (a RayTaskError: the call raised in the core)
-            logger.warning("engine core health failed: %r", exc)
+        if (health := await self._figures("engine core health", self.target.health)) is not None:
+            self._core_health = health
         draft = self.draft
-        if draft is not None:
-            try:
-                stats = await self._call(draft.stats.remote())
-                self._draft_kv, self._draft_tp = stats["kv_cache"], stats["tensor_parallel"]
-            except (TimeoutError, RayActorError):
-                pass
-            except Exception as exc:
-                logger.warning("draft worker stats failed: %r", exc)
+        stats = await self._figures("draft stats", draft.stats) if draft is not None else None
+        if stats is not None:
+            self._draft_kv, self._draft_tp = stats["kv_cache"], stats["tensor_parallel"]
+
+    async def _figures(self, what: str, method) -> dict[str, Any] | None:
+        """``method.remote()``'s answer, or None where the worker did not answer (dead or
+        hung: its watcher's business) or the call raised in it (a RayTaskError, logged)."""
+        try:
+            return await self._call(method.remote())
+        except (TimeoutError, RayActorError):
+            return None
+        except Exception as exc:
+            logger.warning("%s failed: %r", what, exc)
+            return None
 
     def _fail(self, message: str) -> None:
         self._fatal = message

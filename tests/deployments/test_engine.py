@@ -342,6 +342,15 @@ async def _wait_replaced(engine, old, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _wait_serving_again(engine, worker: str, old, timeout_s: float) -> None:
+    """Wait (bounded) until the engine's ``worker`` ("draft" or "target") is a new one
+    and the engine says ``ok`` again."""
+    deadline = time.monotonic() + timeout_s
+    while getattr(engine, worker) in (None, old) or engine.status != "ok":
+        assert time.monotonic() < deadline, (f"no replacement {worker}", engine.health())
+        await asyncio.sleep(0.1)
+
+
 async def _run_with_kill(
     engine, actor_attr, prompts, params, after_tokens=None, each: int = 0, **kw
 ):
@@ -965,10 +974,7 @@ def test_a_hung_worker_is_replaced_and_requests_complete(
         try:
             async with asyncio.timeout(120):
                 results = await asyncio.gather(*tasks)
-            deadline = time.monotonic() + 60
-            while getattr(engine, worker) in (None, old) or engine.status != "ok":
-                assert time.monotonic() < deadline, f"no replacement {worker}"
-                await asyncio.sleep(0.1)
+            await _wait_serving_again(engine, worker, old, 60)
         finally:
             with contextlib.suppress(ProcessLookupError):  # replaced: killed already
                 os.kill(info["pid"], signal.SIGCONT)
@@ -1016,10 +1022,7 @@ def test_a_low_rank_version_outlives_the_process_that_put_its_weights(
             await owner.put.remote(tiny_draft)  # (gone, with what it owned)
         old = engine.draft
         ray.kill(old)
-        deadline = time.monotonic() + 90
-        while engine.draft in (None, old) or engine.status != "ok":
-            assert time.monotonic() < deadline, engine.health()
-            await asyncio.sleep(0.1)
+        await _wait_serving_again(engine, "draft", old, 90)
         return await collect(engine, PROMPTS[0], GREEDY), engine.health()
 
     (tokens, last), health = asyncio.run(with_engine(cfg, body))
