@@ -276,6 +276,17 @@ class SpeculationConfig(_Strict):
         "while it is closed are not sent to the draft. False: the per-row prediction alone "
         "decides.",
     )
+    disable_by_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="'goodput' policy: rounds of at least this many sequences run the "
+        "policy's rows without drafts, neither measured nor gated (as vLLM's "
+        "speculative_disable_by_batch_size). For hosts where the draft shares cores with "
+        "the HTTP frontend, whose cost no round the gate times can show (the demo on "
+        "2 CPU cores: 8). Requests that set their own num_speculative_tokens still "
+        "draft, as do seeded requests (their k is fixed). None: the policy and its gate decide "
+        "at every batch size.",
+    )
 
     proposers: list[Literal["draft_model", "ngram"]] = Field(
         default=["draft_model"],
@@ -307,6 +318,11 @@ class SpeculationConfig(_Strict):
         if self.ngram_min > self.ngram_max:
             raise ValueError(
                 f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"
+            )
+        if self.disable_by_batch_size is not None and self.policy != "goodput":
+            raise ValueError(
+                "disable_by_batch_size needs policy 'goodput' (with 'fixed' every row "
+                "drafts num_speculative_tokens)"
             )
         return self
 

@@ -378,6 +378,11 @@ class LengthPolicyConfig:
     # Measured wall-clock goodput with and without drafting per bucket, which may keep the
     # policy's rows at k = 0 whatever the prediction (specdec.speculation_gate); None: off.
     gate: GateConfig | None = field(default_factory=GateConfig)
+    # Rounds of at least this many sequences keep the policy's rows at k = 0, decided by
+    # the operator, not measured (as vLLM's speculative_disable_by_batch_size): where the
+    # draft's cores also serve the frontend, what drafting costs it is in no round the
+    # gate can time (None: no such size) [sequences].
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         default_k = self.max_k if self.default_k is None else self.default_k
@@ -385,9 +390,11 @@ class LengthPolicyConfig:
             not 0 <= default_k <= self.max_k
             or self.probe_every < self.probe_rounds
             or self.explore_rounds < 1
+            or (self.disable_by_batch_size is not None and self.disable_by_batch_size < 1)
         ):
             raise ValueError(
-                "need 0 <= default_k <= max_k, probe_every >= probe_rounds, explore_rounds >= 1"
+                "need 0 <= default_k <= max_k, probe_every >= probe_rounds, "
+                "explore_rounds >= 1, disable_by_batch_size >= 1"
             )
 
 
@@ -446,6 +453,7 @@ class SpeculationLength:
         self._open = True  # the gate's word for the round being planned
         self._trialling = False  # ... given for one of its measurements
         self._planned: tuple[int, bool] | None = None  # ... for its (bucket, queued)
+        self._disabled = False  # the round being planned is at or past disable_by_batch_size
 
     # ----- observations -------------------------------------------------------------------
 
@@ -588,6 +596,11 @@ class SpeculationLength:
         c = self._bucket(batch_size)
         bucket = batch_bucket(batch_size)
         self._planned = (bucket, queued)
+        self._disabled = self.disabled_by_batch_size(batch_size)
+        if self._disabled:
+            # Neither measured nor aged: a size that never drafts has no use for costs.
+            self._open, self._trialling = False, False
+            return None
         if self._ages_costs(bucket, domains, queued):
             c.rounds += 1
         if c.forced_left <= 0:
@@ -668,14 +681,22 @@ class SpeculationLength:
         wave's other 15 then drafted at k = 9-12 (one sequence's choice, or a measurement
         of 1-3 sequences), in a bucket whose gate was closed."""
         state = (batch_bucket(batch_size), queued)
-        if state == self._planned:
+        disabled = self.disabled_by_batch_size(batch_size)
+        if state == self._planned and disabled == self._disabled:
             return True
-        self._planned = state
-        if self.gate is not None:
+        self._planned, self._disabled = state, disabled
+        if disabled:
+            self._open, self._trialling = False, False
+        elif self.gate is not None:
             self._open, self._trialling = self.gate.decision(*state)
         else:
             self._open, self._trialling = True, False
         return False
+
+    def disabled_by_batch_size(self, batch_size: int) -> bool:
+        """Whether rounds of ``batch_size`` sequences are past ``disable_by_batch_size``."""
+        cap = self.config.disable_by_batch_size
+        return cap is not None and batch_size >= cap
 
     @property
     def planned_bucket(self) -> int | None:

@@ -126,7 +126,9 @@ class Scheduler:
             return
         size = len(self.running)
         if self.forced is not None:
-            if batch_bucket(size) == self.policy.planned_bucket:
+            if batch_bucket(
+                size
+            ) == self.policy.planned_bucket and not self.policy.disabled_by_batch_size(size):
                 return  # a measurement of this bucket: it asks no gate
             self.forced = None
         if self.policy.admitted(size, queued=bool(self.waiting)):

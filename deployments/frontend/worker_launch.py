@@ -199,6 +199,7 @@ class WorkerLauncher:
             default_k=k,
             probe_every=spec.policy_probe_every,
             gate=GateConfig() if spec.policy_gate else None,
+            disable_by_batch_size=spec.disable_by_batch_size,
         )
 
     async def load(self, workers: dict[str, Any], timeout_s: float) -> dict[str, Any]:

@@ -37,6 +37,8 @@ def test_defaults_and_model_name():
         {"speculation": {"proposers": ["eagle"]}},
         {"speculation": {"ngram_min": 3, "ngram_max": 2}},
         {"faults": {"iteration_timeout_s": 0}},
+        {"speculation": {"disable_by_batch_size": 0}},
+        {"speculation": {"disable_by_batch_size": 8, "policy": "fixed"}},
     ],
 )
 def test_invalid_configs_are_rejected(bad):

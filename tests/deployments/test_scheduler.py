@@ -328,3 +328,29 @@ def test_a_cost_measurement_planned_for_another_batch_size_is_dropped_at_admissi
     ks = [sched.next_round(seq).num_speculative_tokens for seq in burst]
     assert ks == [4 if rejoin else 1] * 15
     assert (sched.forced is None) == rejoin and first.k_next == 1
+
+
+@pytest.mark.parametrize("cap", [6, None])
+def test_a_cost_measurement_is_dropped_by_admissions_past_disable_by_batch_size(cap):
+    """A round planned at 4 rows measures k = 1; 2 rows admitted before it runs make 6 rows,
+    the same bucket but the operator's cap: the measurement is dropped and no row drafts
+    (the admitted ones are never sent to the draft). The twin, without a cap, keeps the
+    measurement for all 6."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, default_k=4, disable_by_batch_size=cap))
+    sched = Scheduler(max_num_seqs=8, max_model_len=1000, draft_max_model_len=1000, policy=policy)
+    sched.has_draft = True
+    rows = [running(sched, item(f"a{i}", k=4, auto=True)) for i in range(4)]
+    sched.plan_round(4, [])
+    while sched.forced != 1:  # 4 rows' first cost measurements: k = 0, then 1
+        sched.plan_round(4, [])
+    assert [sched.next_round(seq).num_speculative_tokens for seq in rows] == [1] * 4
+    late = [running(sched, item(f"b{i}", k=4, auto=True)) for i in range(2)]
+    sched.admitted([seq.seq_id for seq in late])
+    items = [sched.next_round(seq) for seq in late]
+    if cap is None:
+        assert sched.forced == 1 and [it.num_speculative_tokens for it in items] == [1, 1]
+        assert all(seq.k_next == 1 for seq in rows)
+    else:
+        assert sched.forced is None and items == [None, None]
+        assert all(seq.k_next == 0 for seq in rows + late)
+        assert sched.take_dropped() == ["b0", "b1"]

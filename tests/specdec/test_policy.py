@@ -936,3 +936,44 @@ def test_one_sequence_speculates_without_measuring(measure_from):
     choices = run_rounds(policy, 1, 200, rate_on=100.0, rate_off=150.0)
     assert all(choices) == (measure_from == 2), policy.goodput()
     assert (policy.goodput() == {}) == (measure_from == 2)  # (nothing measured at batch 1)
+
+
+@pytest.mark.parametrize("cap", [8, None])
+def test_rounds_past_disable_by_batch_size_never_draft_nor_measure(cap):
+    """Past the operator's batch size the policy's rows run at k = 0 though every
+    measurement says drafting pays: no cost measurement is planned, no gate is asked (its
+    figures stay empty), the costs do not age; below it nothing changes, and a request's
+    own k still wins. The twin, without a cap, drafts and measures at 8 and 16 rows."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=8, disable_by_batch_size=cap))
+    for b in (1, 7, 8, 16):
+        _costs(policy, b, memory_bound)
+    _feed(policy, "code", 0.9, 400)
+    for b in (8, 16):
+        forced = [policy.plan_round(b, {"code"}) for _ in range(40)]
+        ks = {policy.choose("code", b, forced=f) for f in forced}
+        key = (batch_bucket(b), False)
+        if cap is None:
+            assert max(ks) >= 5 and key in policy.gate.rates()
+        else:
+            assert forced == [None] * 40 and ks == {0} and policy.gate_closed
+            assert key not in policy.gate.rates()
+            assert policy._costs[batch_bucket(b)].rounds == 0  # not aged
+            assert policy.choose("code", b, requested=3) == 3
+    policy.plan_round(7, {"code"})
+    assert not policy.gate_closed and policy.choose("code", 7) >= 5
+
+
+def test_an_admission_past_disable_by_batch_size_drops_drafting_for_the_round():
+    """A round planned at 4 rows drafts; admissions that make it 8 rows (the cap) close
+    it, and admissions back under the cap in the same bucket reopen it."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=8, disable_by_batch_size=6))
+    for b in (4, 6):
+        _costs(policy, b, memory_bound)
+    _feed(policy, "code", 0.9, 400)
+    while policy.plan_round(4, {"code"}) is not None:  # past the first measurements
+        pass
+    assert policy.choose("code", 4) >= 5
+    assert not policy.admitted(6) and policy.gate_closed  # the same bucket (4-7), capped
+    assert policy.choose("code", 6) == 0
+    assert policy.admitted(6)  # the plan holds
+    assert not policy.admitted(5) and not policy.gate_closed
