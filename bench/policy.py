@@ -12,8 +12,11 @@ the default (the config's policy) and speculation off, the order rotated every p
 both waves of a pair sending the same prompts (``default_over_off_paired``: the median of
 the pairs' ratios; ``default_over_off``: the ratio of the modes' median waves). Each
 application is used once ``/health`` says ok, as ``make serve`` waits for it (its graphs
-compiled; the seconds are recorded as ``startup_s``). Every wave counts, the first
-included: the ratio is what a user gets from the first minute, learning and all. Per
+compiled; the seconds are recorded as ``startup_s``), after one uncounted wave with
+speculation off (``warmup_wave``), which opens the client's connections and runs the
+server's first batches: the first wave of a fresh server was slower whatever it did, and
+it was always the default's. Every wave after it counts: the ratio is what a user gets
+from the first minute, the policy's learning and all (off rows teach it nothing). Per
 wave it also records how much the default drafted (the policy's choices settling).
 
 Without ``--shipped``:
@@ -176,6 +179,13 @@ async def measure_shipped(url: str, deploy, args) -> dict:
         for c in args.concurrency:
             startup_s = await deploy(http)
             requests = max(c, args.min_requests)
+            # A wave of speculation off first, not counted: a fresh server's first wave ran
+            # 9-15 % slower than the next (the client's connections opened, the server's
+            # first batches of that size), and it was always the default's, in waves that
+            # drafted nothing. Off rows teach the policy nothing: its learning still counts.
+            start = (args.waves * requests + c) % len(prompts)  # prompts no pair sends
+            warmup = await shipped_wave(http, prompts, "off", c, requests, args.max_tokens, start)
+            print(f"c={c} warm-up (off): {warmup['tokens_per_s']:.1f} tok/s", flush=True)
             waves = []
             for pair in range(args.waves):
                 order = ("default", "off") if pair % 2 == 0 else ("off", "default")
@@ -207,6 +217,7 @@ async def measure_shipped(url: str, deploy, args) -> dict:
                 "pair_ratios": [round(d / o, 3) for d, o in pairs],
                 "default_settled_after_waves": settled_after(default),
                 "startup_s": startup_s,
+                "warmup_wave": warmup,
                 "waves": waves,
             }
             r = out[str(c)]
