@@ -86,6 +86,10 @@ class Scheduler:
         self._queued_running = False  # ... when the round now running was
         self._replanned = False  # admissions changed the next round's plan (admitted)
         self._replanned_running = False  # ... the plan of the round now running
+        # The next round's batch is past speculation.disable_by_batch_size (as planned or
+        # re-planned at admission); the round now running's: such rounds tell no policy.
+        self._capped_planned = False
+        self._capped_running = False
         self.resumed = 0
 
     # ----- admission ------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class Scheduler:
         if self.policy.admitted(size, queued=bool(self.waiting)):
             return  # the same bucket and queue state as planned
         self._queued_planned, self._replanned = bool(self.waiting), True
+        self._capped_planned = self.policy.disabled_by_batch_size(size)
         if self.policy.gate_closed:
             new = set(started)
             for seq in self.running.values():
@@ -162,8 +167,8 @@ class Scheduler:
             return seq.method
         if not self.has_draft or seq.k <= 0:  # no draft, or drafting gave up on this row
             return "ngram"
-        if self.forced is not None:
-            return "draft_model"
+        if self.forced is not None or self._capped_planned:
+            return "draft_model"  # (past disable_by_batch_size: at k = 0, no lookup either)
         return self.choice.choose(seq.domain, len(self.running))
 
     def _room(self, seq: RunningSeq, draft_context: bool) -> int:
@@ -292,6 +297,8 @@ class Scheduler:
         self._forced_running = self.forced
         self._queued_running, self._queued_planned = self._queued_planned, bool(self.waiting)
         self._replanned_running, self._replanned = self._replanned, False
+        self._capped_running = self._capped_planned
+        self._capped_planned = self.policy.disabled_by_batch_size(batch_size)
         self.forced = self.policy.plan_round(batch_size, domains, queued=self._queued_planned)
 
     def observe_round(self, stats: RoundStats) -> None:
@@ -317,6 +324,10 @@ class Scheduler:
                 for row in current
             ],
         )
+        # Past disable_by_batch_size the policy's rows ran at k = 0 by the operator's word:
+        # neither costs nor the gate's figures (requests' own k still tell acceptance).
+        if self._capped_running:
+            return
         # A round with lookup rows says nothing clean of the draft model's costs, unless it
         # is a cost measurement (then only requests that named n-gram lookup are on it,
         # and a request that keeps naming it must not starve the bucket of measurements).
@@ -342,7 +353,7 @@ class Scheduler:
     def _observe_proposers(self, stats: RoundStats) -> None:
         """What each row the proposer choice placed committed in the round's wall time
         (not in the length policy's cost measurements: they ran at a forced k)."""
-        if self.choice is None or self._forced_running is not None:
+        if self.choice is None or self._forced_running is not None or self._capped_running:
             return
         for row in stats.rows:
             if row.auto_method:

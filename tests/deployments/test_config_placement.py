@@ -39,6 +39,7 @@ def test_defaults_and_model_name():
         {"faults": {"iteration_timeout_s": 0}},
         {"speculation": {"disable_by_batch_size": 0}},
         {"speculation": {"disable_by_batch_size": 8, "policy": "fixed"}},
+        {"speculation": {"disable_by_batch_size": 17}, "scheduler": {"max_num_seqs": 16}},
     ],
 )
 def test_invalid_configs_are_rejected(bad):
@@ -358,3 +359,13 @@ def test_split_target_refusals_name_the_field(bad, field):
     kw = {"target": {"model": "t", "tensor_parallel_size": 2}, **bad}
     with pytest.raises(ValidationError, match=field):
         cfg(**kw)
+
+
+@pytest.mark.parametrize("cap", [8, None])
+def test_disable_by_batch_size_reaches_the_length_policy(cap):
+    """The setting (goodput policy) is the length policy's, as the core gets it."""
+    from deployments.frontend.worker_launch import WorkerLauncher
+
+    speculation = {"policy": "goodput", "disable_by_batch_size": cap}
+    launched = WorkerLauncher(cfg(speculation=speculation))._length_policy()
+    assert launched.disable_by_batch_size == cap

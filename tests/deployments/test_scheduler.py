@@ -354,3 +354,46 @@ def test_a_cost_measurement_is_dropped_by_admissions_past_disable_by_batch_size(
         assert sched.forced is None and items == [None, None]
         assert all(seq.k_next == 0 for seq in rows + late)
         assert sched.take_dropped() == ["b0", "b1"]
+
+
+@pytest.mark.parametrize("cap", [6, None])
+def test_rounds_past_disable_by_batch_size_tell_no_policy_and_look_nothing_up(cap):
+    """Rounds planned at 7 rows, past a cap of 6, run the rows whose proposer the choice
+    picks on the draft model at k = 0 (no n-gram lookup either), and neither the gate, the
+    costs nor the proposer choice hear them; a round of 4 rows is heard as before. The
+    twin, without a cap, looks rows up and is heard at 7 rows."""
+    policy = SpeculationLength(LengthPolicyConfig(max_k=4, disable_by_batch_size=cap))
+    choice = ProposerChoice(ProposerChoiceConfig())
+    sched = Scheduler(
+        max_num_seqs=8, max_model_len=1000, draft_max_model_len=1000, policy=policy, choice=choice
+    )
+    sched.has_draft = True
+    for _ in range(40):  # the choice measured: lookup pays at 7 rows
+        choice.observe("d", 7, "ngram", 4, 0.01)
+        choice.observe("d", 7, "draft_model", 1, 0.01)
+    rows = []
+    for i in range(7):
+        seq = running(sched, item(f"a{i}", k=4, auto=True))
+        seq.domain, seq.auto_method = "d", True
+        rows.append(seq)
+    sched.plan_round(7, [])
+    while sched.forced is not None:  # (uncapped: 7 rows' first cost measurements)
+        sched.plan_round(7, [])
+    for seq in rows:
+        sched.next_round(seq)
+    assert {seq.method_next for seq in rows} == ({"draft_model"} if cap else {"ngram"})
+    if cap:
+        assert all(seq.k_next == 0 and seq.ngram_next == 0 for seq in rows)
+
+    def model_goodput():
+        return choice.state()["d"][str(batch_bucket(7))]["goodput"]["draft_model"]
+
+    before = model_goodput()
+    sched.plan_round(7, [])  # the round planned above runs now and is observed
+    stats = RoundStats(7, 0, False, total_s=0.01, wall_s=0.02, policy_rows=True)
+    stats.rows = [RowOutcome("d", 0, 0, False, 1, True, auto_method=True)] * 7
+    sched.observe_round(stats)
+    heard = (batch_bucket(7), False) in policy.gate.rates()
+    assert heard == (cap is None)
+    assert (0 in policy._costs[batch_bucket(7)].seconds) == (cap is None)
+    assert (model_goodput() != before) == (cap is None)

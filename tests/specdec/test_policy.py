@@ -964,7 +964,7 @@ def test_rounds_past_disable_by_batch_size_never_draft_nor_measure(cap):
 
 
 def test_an_admission_past_disable_by_batch_size_drops_drafting_for_the_round():
-    """A round planned at 4 rows drafts; admissions that make it 8 rows (the cap) close
+    """A round planned at 4 rows drafts; admissions that make it 6 rows (the cap) close
     it, and admissions back under the cap in the same bucket reopen it."""
     policy = SpeculationLength(LengthPolicyConfig(max_k=8, disable_by_batch_size=6))
     for b in (4, 6):
