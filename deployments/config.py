@@ -281,8 +281,9 @@ class SpeculationConfig(_Strict):
         ge=1,
         description="'goodput' policy: rounds of at least this many sequences run the "
         "policy's rows without drafts (no n-gram lookup either for rows whose proposer is "
-        "chosen), neither measured nor gated, as vLLM's speculative_disable_by_batch_size; "
-        "at most scheduler.max_num_seqs. For hosts where the draft shares cores with the "
+        "chosen), neither measured nor gated, as vLLM's speculative_disable_by_batch_size "
+        "(past scheduler.max_num_seqs it never applies: a config that lowers that keeps "
+        "working). For hosts where the draft shares cores with the "
         "HTTP frontend, whose cost no round the gate times can show (the demo on 2 CPU "
         "cores: 8). Requests that set their own num_speculative_tokens or proposer still "
         "draft, as do seeded requests (their k is fixed). None: the policy and its gate "
@@ -522,12 +523,6 @@ class EngineConfig(_Strict):
             raise ValueError("num_speculative_tokens must be <= max_speculative_tokens")
         if self.placement_strategy == "STRICT_SPREAD" and self.draft is None:
             raise ValueError("STRICT_SPREAD places draft and target apart; it needs a draft model")
-        cap = self.speculation.disable_by_batch_size
-        if cap is not None and cap > self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"speculation.disable_by_batch_size ({cap}) is past scheduler.max_num_seqs "
-                f"({self.scheduler.max_num_seqs}): no batch would ever reach it"
-            )
         if self.draft_placement == "colocated":
             self._check_colocated()
         self._check_tensor_parallel()

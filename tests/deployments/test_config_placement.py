@@ -39,7 +39,6 @@ def test_defaults_and_model_name():
         {"faults": {"iteration_timeout_s": 0}},
         {"speculation": {"disable_by_batch_size": 0}},
         {"speculation": {"disable_by_batch_size": 8, "policy": "fixed"}},
-        {"speculation": {"disable_by_batch_size": 17}, "scheduler": {"max_num_seqs": 16}},
     ],
 )
 def test_invalid_configs_are_rejected(bad):
