@@ -693,6 +693,12 @@ class SpeculationLength:
             self._open, self._trialling = True, False
         return False
 
+    @property
+    def disabled(self) -> bool:
+        """The round being planned (or re-decided at admission) is past
+        ``disable_by_batch_size``: its policy rows run at k = 0 and it tells nothing."""
+        return self._disabled
+
     def disabled_by_batch_size(self, batch_size: int) -> bool:
         """Whether rounds of ``batch_size`` sequences are past ``disable_by_batch_size``."""
         cap = self.config.disable_by_batch_size

@@ -86,9 +86,8 @@ class Scheduler:
         self._queued_running = False  # ... when the round now running was
         self._replanned = False  # admissions changed the next round's plan (admitted)
         self._replanned_running = False  # ... the plan of the round now running
-        # The next round's batch is past speculation.disable_by_batch_size (as planned or
-        # re-planned at admission); the round now running's: such rounds tell no policy.
-        self._capped_planned = False
+        # The round now running was planned past speculation.disable_by_batch_size
+        # (SpeculationLength.disabled): such rounds tell no policy.
         self._capped_running = False
         self.resumed = 0
 
@@ -130,15 +129,13 @@ class Scheduler:
             return
         size = len(self.running)
         if self.forced is not None:
-            if batch_bucket(
-                size
-            ) == self.policy.planned_bucket and not self.policy.disabled_by_batch_size(size):
+            same_bucket = batch_bucket(size) == self.policy.planned_bucket
+            if same_bucket and not self.policy.disabled_by_batch_size(size):
                 return  # a measurement of this bucket: it asks no gate
             self.forced = None
         if self.policy.admitted(size, queued=bool(self.waiting)):
             return  # the same bucket and queue state as planned
         self._queued_planned, self._replanned = bool(self.waiting), True
-        self._capped_planned = self.policy.disabled_by_batch_size(size)
         if self.policy.gate_closed:
             new = set(started)
             for seq in self.running.values():
@@ -167,7 +164,7 @@ class Scheduler:
             return seq.method
         if not self.has_draft or seq.k <= 0:  # no draft, or drafting gave up on this row
             return "ngram"
-        if self.forced is not None or self._capped_planned:
+        if self.forced is not None or (self.policy is not None and self.policy.disabled):
             return "draft_model"  # (past disable_by_batch_size: at k = 0, no lookup either)
         return self.choice.choose(seq.domain, len(self.running))
 
@@ -297,8 +294,7 @@ class Scheduler:
         self._forced_running = self.forced
         self._queued_running, self._queued_planned = self._queued_planned, bool(self.waiting)
         self._replanned_running, self._replanned = self._replanned, False
-        self._capped_running = self._capped_planned
-        self._capped_planned = self.policy.disabled_by_batch_size(batch_size)
+        self._capped_running = self.policy.disabled
         self.forced = self.policy.plan_round(batch_size, domains, queued=self._queued_planned)
 
     def observe_round(self, stats: RoundStats) -> None:
